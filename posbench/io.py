@@ -1,0 +1,49 @@
+"""Atomic file writes: a reader never sees a half-written file.
+
+Everything is written to a temporary file in the destination's folder, flushed and fsynced,
+then moved into place with ``os.replace`` (atomic on POSIX). A process killed mid-write leaves
+at most a stray ``.tmp-*`` file, never a truncated result/checkpoint/cache file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; move it onto ``path`` if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def save_torch_atomic(obj: Any, path: str | os.PathLike) -> None:
+    import torch
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
