@@ -1,0 +1,62 @@
+"""posbench: length-extrapolation benchmarks for transformer position embeddings.
+
+Python API (see README):
+
+    posbench.list_methods()                      -> ["nope", "learned", ...]
+    posbench.create_model("rope", flavour="tiny")  -> nn.Module, ids (B, T) -> logits (B, T, V)
+    posbench.load_run("outputs/.../run")         -> Run(model, config, results)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def list_methods() -> list[str]:
+    """Names of every registered position method (the valid ``method=`` values)."""
+    from posbench.methods import list_methods as _list
+
+    return _list()
+
+
+def create_model(
+    method: str,
+    flavour: str = "small",
+    method_options: dict[str, Any] | None = None,
+    **model_overrides: Any,
+):
+    """Build a freshly initialised model.
+
+    Args:
+        method: position method name, one of :func:`list_methods`.
+        flavour: model preset from ``configs/model/`` (``tiny``, ``mini``, ``small``, ``medium``).
+        method_options: overrides of the method's options (defaults from ``configs/method/``),
+            e.g. ``{"base": 500000.0}`` for rope.
+        **model_overrides: any :class:`posbench.model.ModelConfig` field, e.g. ``vocab_size=50257``.
+
+    Returns:
+        A :class:`posbench.model.Transformer`: token ids ``(B, T)`` -> logits ``(B, T, vocab)``
+        for any ``T`` the method supports (every method but ``learned`` supports any length).
+    """
+    from posbench.config import load_group_option
+    from posbench.model import ModelConfig, build_model
+    from posbench.methods import method_class
+
+    method_class(method)  # unknown names fail here with the list of valid ones
+    model_cfg = ModelConfig.from_dict({**load_group_option("model", flavour), **model_overrides})
+    options = load_group_option("method", method)
+    options.pop("name", None)
+    options.update(method_options or {})
+    return build_model(model_cfg, method, options)
+
+
+def load_run(run_dir: str, device: str = "cpu"):
+    """Load a finished run: returns ``Run(model, config, results)`` (see posbench.runs)."""
+    from posbench.runs import load_run as _load
+
+    return _load(run_dir, device=device)
+
+
+__all__ = ["__version__", "create_model", "list_methods", "load_run"]

@@ -1,0 +1,82 @@
+"""Registry of position methods: one module per method, registered by its ``name``.
+
+Adding a method = a module here that subclasses :class:`PositionMethod` and is decorated with
+``@register``, a ``configs/method/<name>.yaml``, and its tests. Nothing else in the model changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from posbench.errors import PosbenchError
+from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, dense_score
+
+_REGISTRY: dict[str, type[PositionMethod]] = {}
+
+# Import order is the order methods are listed in (and plotted in).
+_BUILTIN_MODULES = ("nope", "learned", "sinusoidal", "rope", "alibi", "t5", "relative")
+
+
+def register(cls: type[PositionMethod]) -> type[PositionMethod]:
+    """Class decorator adding a position method to the registry under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} needs a non-empty `name`")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"position method {cls.name!r} is registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def list_methods() -> list[str]:
+    """Names of all registered position methods (the valid ``method=`` values)."""
+    return list(_REGISTRY)
+
+
+def method_class(name: str) -> type[PositionMethod]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise PosbenchError(
+            f"unknown position method {name!r}; choose one of: {', '.join(_REGISTRY)}"
+        ) from None
+
+
+def method_options(name: str) -> dict[str, Any]:
+    """The method's own options and their defaults (its constructor's keyword arguments)."""
+    sig = inspect.signature(method_class(name).__init__)
+    return {
+        p.name: p.default
+        for p in sig.parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.default is not inspect.Parameter.empty
+    }
+
+
+def build_method(name: str, dims: ModelDims, **options: Any) -> PositionMethod:
+    """Instantiate method ``name`` for a model of shape ``dims`` with its ``options``."""
+    cls = method_class(name)
+    known = method_options(name)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise PosbenchError(
+            f"method {name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options are: {', '.join(known) or '(none)'}"
+        )
+    return cls(dims, **options)
+
+
+for _module in _BUILTIN_MODULES:
+    importlib.import_module(f"posbench.methods.{_module}")
+
+__all__ = [
+    "ModelDims",
+    "PositionMethod",
+    "ScoreFn",
+    "build_method",
+    "dense_score",
+    "list_methods",
+    "method_class",
+    "method_options",
+    "register",
+]

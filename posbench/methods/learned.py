@@ -1,0 +1,46 @@
+"""Learned absolute position embeddings added to the input (GPT-2, BERT).
+
+Policy past the training context: the table has ``max_positions`` rows (default 4096, enough for
+every evaluation length posbench uses). Rows past the training context receive no gradient during
+training and stay at their random initialisation, which is exactly what "a learned embedding
+evaluated past its training length" means. Asking for a position >= ``max_positions`` is an error
+that names the option to raise.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from posbench.errors import PosbenchError
+from posbench.methods import register
+from posbench.methods.base import ModelDims, PositionMethod
+
+
+@register
+class Learned(PositionMethod):
+    name = "learned"
+
+    def __init__(self, dims: ModelDims, *, max_positions: int = 4096, init_std: float = 0.02) -> None:
+        super().__init__(dims)
+        if max_positions < 1:
+            raise PosbenchError(f"method.max_positions must be >= 1, got {max_positions}")
+        self.table = nn.Embedding(max_positions, dims.d_model)
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.table.weight, std=self.init_std)
+
+    @property
+    def max_positions(self) -> int:
+        return self.table.num_embeddings
+
+    def input_embedding(self, positions: Tensor) -> Tensor:
+        # Checked only outside compiled graphs: the comparison would force a host sync there.
+        if not torch.compiler.is_compiling() and positions.numel():
+            last = int(positions.max())
+            if last >= self.max_positions:
+                raise PosbenchError(
+                    f"learned positions go up to {self.max_positions - 1} but position {last} "
+                    f"was requested; train with a larger method.max_positions"
+                )
+        return self.table(positions)  # (T, d_model)

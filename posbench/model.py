@@ -1,0 +1,207 @@
+"""A Llama-style causal transformer whose position information comes from a pluggable method.
+
+    tokens -> embedding (+ method.input_embedding)
+           -> n_layers x [x + Attn(RMSNorm(x)),  x + SwiGLU(RMSNorm(x))]
+           -> RMSNorm -> LM head -> logits
+
+Attention applies ``method.rotate_qk`` to q/k and ``method.score_term`` to the logits; one method
+instance is shared by all layers (methods that want per-layer parameters index them by layer).
+No biases anywhere, as in Llama. With ``method=rope`` the model is numerically the same function
+as ``transformers.LlamaForCausalLM`` of the same shape (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from posbench.attention import BACKENDS, attend, resolve_backend
+from posbench.errors import PosbenchError
+from posbench.methods import ModelDims, PositionMethod, build_method
+
+
+@dataclass
+class ModelConfig:
+    """Shape and initialisation of the transformer. Defaults are the ``small`` flavour."""
+
+    flavour: str = "small"
+    """Name of the preset this config came from (``tiny``, ``small``, ...); informational."""
+    vocab_size: int = 8192
+    """Vocabulary size; the trainer sets it from the prepared data's tokenizer."""
+    d_model: int = 384
+    """Residual stream width."""
+    n_layers: int = 6
+    """Number of transformer blocks."""
+    n_heads: int = 6
+    """Attention heads; head dimension is d_model / n_heads."""
+    mlp_hidden: int | None = None
+    """SwiGLU hidden size; None = Llama's rule, 2/3 * 4 * d_model rounded up to mlp_multiple_of."""
+    mlp_multiple_of: int = 64
+    """Rounding for the default mlp_hidden (keeps matmuls tensor-core friendly)."""
+    tie_embeddings: bool = False
+    """Share the token embedding and LM head weights."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the normal init of linear and embedding weights (GPT-2/nanoGPT); residual output
+    projections use init_std / sqrt(2 * n_layers)."""
+    attention: str = "auto"
+    """Attention backend: auto | eager | sdpa | flex (auto: flex on CUDA for score-term methods,
+    sdpa otherwise)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden_size(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        hidden = int(2 * 4 * self.d_model / 3)
+        return self.mlp_multiple_of * math.ceil(hidden / self.mlp_multiple_of)
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_multiple_of"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise PosbenchError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.mlp_hidden is not None and (not isinstance(self.mlp_hidden, int) or self.mlp_hidden <= 0):
+            raise PosbenchError(f"model.mlp_hidden must be a positive integer or null, got {self.mlp_hidden!r}")
+        if self.d_model % self.n_heads:
+            raise PosbenchError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                "pick n_heads that divides d_model"
+            )
+        if not self.norm_eps > 0 or not self.init_std > 0:
+            raise PosbenchError("model.norm_eps and model.init_std must be positive")
+        if self.attention not in BACKENDS:
+            raise PosbenchError(
+                f"model.attention={self.attention!r} is not a backend; choose one of {', '.join(BACKENDS)}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise PosbenchError(f"unknown model option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.n_heads
+        self.backend = cfg.attention
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod) -> Tensor:
+        q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
+        q, k = method.rotate_qk(q, k, positions)  # (B, H, T, D) each
+        score = method.score_term(q, positions, self.layer) if method.has_score_term else None
+        backend = resolve_backend(self.backend, method.has_score_term, x.device)
+        y = attend(q, k, v, score, backend)  # (B, H, T, D)
+        return self.out(rearrange(y, "b h t d -> b t (h d)"))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.hidden_size, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.hidden_size, bias=False)
+        self.down = nn.Linear(cfg.hidden_size, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, method)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab)."""
+
+    def __init__(self, cfg: ModelConfig, method: PositionMethod) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.position = method
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def method_name(self) -> str:
+        return self.position.name
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init; position methods keep the init they chose for their own tables."""
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.embed.weight, std=std)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual_out = name.endswith("attn.out") or name.endswith("mlp.down")
+                nn.init.normal_(module.weight, std=residual_std if is_residual_out else std)
+
+    def hidden_states(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
+        """(B, T) token ids -> (B, T, d_model) final normalised hidden states."""
+        T = idx.shape[1]
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)
+        x = self.embed(idx)  # (B, T, C)
+        pos_emb = self.position.input_embedding(positions)
+        if pos_emb is not None:
+            x = x + pos_emb.to(x.dtype)
+        for block in self.blocks:
+            x = block(x, positions, self.position)
+        return self.norm(x)
+
+    def forward(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
+        return self.lm_head(self.hidden_states(idx, positions))  # (B, T, vocab)
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}
+        total = sum(p.numel() for p in params.values())
+        if non_embedding:
+            total -= self.embed.weight.numel()
+            if not self.cfg.tie_embeddings:
+                total -= self.lm_head.weight.numel()
+        return total
+
+
+def build_model(cfg: ModelConfig, method: str, method_options: dict[str, Any] | None = None) -> Transformer:
+    """Build a model of shape ``cfg`` with position method ``method`` and its options."""
+    dims = ModelDims(d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers)
+    try:
+        position = build_method(method, dims, **(method_options or {}))
+    except ValueError as err:  # a method's own shape requirement, e.g. rope's even head dim
+        raise PosbenchError(f"method={method} cannot run on this model: {err}") from None
+    return Transformer(cfg, position)
