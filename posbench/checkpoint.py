@@ -1,0 +1,90 @@
+"""Checkpoints: atomic saves, keep-last-K, and a loader that never trusts a damaged file.
+
+A checkpoint is ``<run>/checkpoints/step_<step>.pt`` holding everything needed to continue the
+run bit for bit: model, optimizer, scheduler, RNG states, step (the data position: batches are a
+pure function of seed and step) and the config. Files are written to a temporary name and renamed,
+so a kill mid-save leaves the previous checkpoint intact. A checkpoint that fails to load is
+renamed ``*.corrupt`` (kept for inspection, never loaded or pruned again) and the previous one is
+used instead.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from posbench.io import save_torch_atomic
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = ("format_version", "step", "model", "optimizer", "scheduler", "config")
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Step checkpoints of a run, oldest first."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
+    """Atomically write ``state`` as the checkpoint of ``state['step']``; keep the newest ``keep``."""
+    path = checkpoint_dir(run_dir) / f"step_{state['step']:08d}.pt"
+    save_torch_atomic({"format_version": FORMAT_VERSION, **state}, path)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load one checkpoint and check it is complete; raises ValueError when it is not."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as err:  # truncated zip, bad pickle, ...
+        raise ValueError(f"cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
+    if not isinstance(state, dict):
+        raise ValueError("is not a posbench checkpoint")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"is missing {', '.join(missing)}")
+    return state
+
+
+def load_latest_checkpoint(
+    run_dir: Path, log: Callable[[str], None] = print, map_location: str | torch.device = "cpu"
+) -> dict[str, Any] | None:
+    """Newest loadable checkpoint of a run (None when there is none), skipping damaged ones."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return read_checkpoint(path, map_location) | {"path": str(path)}
+        except ValueError as err:
+            quarantined = path.with_suffix(".pt.corrupt")
+            path.rename(quarantined)
+            log(f"checkpoint {path} {err}; moved it to {quarantined.name} and trying the previous one")
+    return None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,162 @@
+"""The ``posbench`` command: one Hydra app per subcommand.
+
+    posbench <command> [hydra overrides] [-m] [--cfg job] [--help]
+
+The table below is the single place subcommands are declared. Each subcommand composes its own
+primary config (``configs/<command>.yaml``), so Hydra's own parsing handles overrides,
+multirun, ``--cfg`` and ``--help``; nothing parses arguments in front of it except the name of
+the subcommand.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from posbench.config import config_dir
+from posbench.errors import PosbenchError
+
+logger = logging.getLogger("posbench")
+CONFIG_PATH = str(config_dir())
+
+
+def _train(cfg: DictConfig) -> Any:
+    from pathlib import Path
+
+    from posbench.train import train
+
+    return train(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def _eval(cfg: DictConfig) -> Any:
+    from posbench.runs import evaluate_saved_run
+
+    return evaluate_saved_run(cfg)
+
+
+def _plot(cfg: DictConfig) -> Any:
+    from posbench.plot import plot_runs
+
+    runs = cfg.runs if not isinstance(cfg.runs, str) else [cfg.runs]
+    if not runs:
+        raise PosbenchError("posbench plot needs runs=<run or sweep dir, or glob>[,...]")
+    return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info)
+
+
+def _prepare(cfg: DictConfig) -> Any:
+    import time
+
+    from posbench.data import prepare_data
+    from posbench.train import data_config
+
+    start = time.perf_counter()
+    prepared = prepare_data(data_config(cfg.data), log=logger.info)
+    meta = prepared.meta
+    counts = meta.get("tokens") or {k: meta.get(k) for k in ("train_tokens", "valid_tokens")}
+    logger.info("prepared %s in %.1f s: %s", prepared.dir, time.perf_counter() - start, counts)
+    return prepared
+
+
+def _bench(cfg: DictConfig) -> Any:
+    from posbench.bench import run_bench
+
+    return run_bench(cfg)
+
+
+# name -> (task, one-line description). The single subcommand table.
+COMMANDS: dict[str, tuple[Callable[[DictConfig], Any], str]] = {
+    "prepare": (_prepare, "tokenize a dataset into the token cache (train does this on demand)"),
+    "train": (_train, "train one method (or a sweep with -m), then evaluate and plot it"),
+    "eval": (_eval, "re-evaluate a finished run: run=<dir> [eval.lengths=[512,1024]] [data.path=...]"),
+    "plot": (_plot, "comparison figures and tables from saved runs: runs=<dirs/globs> out=<dir>"),
+    "bench": (_bench, "measure training/eval speed per method (tokens/s, MFU, memory)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items())
+    return (
+        "usage: posbench <command> [key=value ...] [-m] [--cfg job] [--help]\n\n"
+        f"commands:\n{rows}\n\n"
+        "Every command is a Hydra app: `posbench <command> --help` lists its config groups,\n"
+        "`posbench train --cfg job` prints the composed config, `-m` runs a sweep.\n"
+        "Examples:\n"
+        "  posbench train method=rope\n"
+        "  posbench train -m method=nope,learned,sinusoidal,rope,alibi,t5,relative seed=0,1,2\n"
+        "  posbench eval run=outputs/default/<date>/<time>_rope-s0 eval.lengths=[512,1024,2048]\n"
+        "  posbench plot runs=multirun/default/<date>/<time> out=figures\n"
+    )
+
+
+def _is_multirun() -> bool:
+    try:
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:
+        return False
+
+
+def _debug(cfg: DictConfig) -> bool:
+    return bool(cfg.get("debug", False)) or os.environ.get("POSBENCH_DEBUG", "") not in ("", "0")
+
+
+def _task(command: str) -> Callable[[DictConfig], Any]:
+    run, _ = COMMANDS[command]
+
+    def task(cfg: DictConfig) -> Any:
+        from posbench.train import TrainingInterrupted
+
+        try:
+            return run(cfg)
+        except TrainingInterrupted as err:
+            print(f"posbench {command}: {err}", file=sys.stderr)
+            raise SystemExit(err.exit_code) from None
+        except PosbenchError as err:
+            if _debug(cfg):
+                raise
+            if _is_multirun():
+                # One bad job must not end the sweep; its status.json records the failure.
+                logger.error("job failed: %s", err)
+                return None
+            print(f"posbench {command}: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except Exception:
+            if _is_multirun() and not _debug(cfg):
+                logger.exception("job failed (the sweep goes on)")
+                return None
+            raise
+
+    task.__name__ = f"posbench_{command}"
+    return task
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        raise SystemExit(0 if argv else 2)
+    command = argv[0]
+    if command not in COMMANDS:
+        print(f"posbench: error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        raise SystemExit(2)
+    # Hydra reads sys.argv; hide the subcommand from it and name the app after it.
+    sys.argv = [f"posbench {command}", *argv[1:]]
+    app = hydra.main(config_path=CONFIG_PATH, config_name=command, version_base="1.3")(_task(command))
+    app()
+    from posbench.sweep import failed_jobs_of_last_sweep
+
+    failures = failed_jobs_of_last_sweep()
+    if failures:
+        print(f"posbench {command}: {failures} sweep job(s) failed; see the sweep's summary.md", file=sys.stderr)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

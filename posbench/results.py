@@ -1,0 +1,308 @@
+"""results.json, status.json and metrics.jsonl: writing, reading and finding runs.
+
+A run directory (see DESIGN.md) holds ``config.yaml``, ``metrics.jsonl``, ``status.json``,
+``results.json`` (only when completed), ``checkpoints/`` and ``figures/``. Everything here that
+reads runs is tolerant: a crashed, running or corrupt run becomes a *problem* with a reason, never
+an exception, so one bad run cannot hide the results of the others.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import glob
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from posbench.io import write_json_atomic
+
+SCHEMA_VERSION = 1
+
+RESULTS_FILE = "results.json"
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+STATUSES = ("running", "completed", "failed", "interrupted")
+
+_REQUIRED_TOP = ("schema_version", "method", "seed", "train_context", "train", "eval")
+_REQUIRED_TRAIN = ("tokens", "steps", "final_loss", "tokens_per_second", "wall_seconds", "device")
+_REQUIRED_EVAL = ("split", "length", "num_sequences", "loss_by_position", "bands")
+# Folders inside a run (or a Hydra job) that never contain runs themselves.
+_SKIP_DIRS = {"checkpoints", "figures", "comparison", "wandb", "__pycache__"}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    import posbench
+
+    return {"posbench": posbench.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def build_results(
+    *,
+    method: str,
+    seed: int,
+    train_context: int,
+    train: dict[str, Any],
+    eval: list[dict[str, Any]],
+    **extra: Any,
+) -> dict[str, Any]:
+    """Assemble a results.json dict (schema ``SCHEMA_VERSION``) and validate it.
+
+    ``extra`` keys (``run_name``, ``model``, ``data``, ``config``...) are stored as given;
+    ``created`` and ``versions`` are filled in unless passed.
+    """
+    results = {
+        "schema_version": SCHEMA_VERSION,
+        "method": method,
+        "seed": seed,
+        "train_context": train_context,
+        "train": dict(train),
+        "eval": list(eval),
+    }
+    extra.setdefault("created", _now())
+    extra.setdefault("versions", _versions())
+    results.update(extra)
+    validate_results(results)
+    return results
+
+
+def validate_results(results: Any) -> dict[str, Any]:
+    """Check the results.json schema; raise ``ValueError`` naming the first problem found."""
+    if not isinstance(results, dict):
+        raise ValueError(f"results must be a JSON object, got {type(results).__name__}")
+    for key in _REQUIRED_TOP:
+        if key not in results:
+            raise ValueError(f"missing key {key!r}")
+    version = results["schema_version"]
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ValueError(f"schema_version {version!r} is not supported (this posbench reads <= {SCHEMA_VERSION})")
+    train = results["train"]
+    if not isinstance(train, dict):
+        raise ValueError("'train' must be an object")
+    for key in _REQUIRED_TRAIN:
+        if key not in train:
+            raise ValueError(f"missing key 'train.{key}'")
+    if not isinstance(results["eval"], list):
+        raise ValueError("'eval' must be a list")
+    for i, entry in enumerate(results["eval"]):
+        if not isinstance(entry, dict):
+            raise ValueError(f"'eval[{i}]' must be an object")
+        for key in _REQUIRED_EVAL:
+            if key not in entry:
+                raise ValueError(f"missing key 'eval[{i}].{key}'")
+        if len(entry["loss_by_position"]) != entry["length"]:
+            raise ValueError(
+                f"eval[{i}].loss_by_position has {len(entry['loss_by_position'])} values for length {entry['length']}"
+            )
+        if not isinstance(entry["bands"], dict):
+            raise ValueError(f"'eval[{i}].bands' must be an object")
+    return results
+
+
+def write_results(run_dir: str | os.PathLike, results: dict[str, Any]) -> Path:
+    """Validate and atomically write ``<run_dir>/results.json``; returns its path."""
+    validate_results(results)
+    path = Path(run_dir) / RESULTS_FILE
+    write_json_atomic(path, results)
+    return path
+
+
+def read_results(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and validate a results.json (``path`` may be the file or its run directory).
+
+    Raises ``OSError`` / ``json.JSONDecodeError`` / ``ValueError`` for missing, corrupt or
+    invalid files.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESULTS_FILE
+    with open(path) as f:
+        return validate_results(json.load(f))
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of ``<run_dir>/metrics.jsonl`` ([] when absent).
+
+    Unparseable lines are skipped: the last line of a killed run is often cut mid-write.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    records = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def write_status(run_dir: str | os.PathLike, status: str, error: str | None = None, **extra: Any) -> Path:
+    """Atomically write ``<run_dir>/status.json`` = ``{"status", "error", **extra, "updated"}``.
+
+    ``status`` is one of ``STATUSES``: running, completed, failed, interrupted (stopped by a
+    signal or ``trainer.stop_after_steps`` with a checkpoint to resume from).
+    """
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    path = Path(run_dir) / STATUS_FILE
+    write_json_atomic(path, {"status": status, "error": error, **extra, "updated": _now()})
+    return path
+
+
+def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """``<run_dir>/status.json`` as a dict, or None when missing or unreadable."""
+    try:
+        with open(Path(run_dir) / STATUS_FILE) as f:
+            status = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
+@dataclass
+class RunRecord:
+    """A run with a valid results.json. ``metrics`` is read from metrics.jsonl on first use."""
+
+    path: Path
+    results: dict[str, Any]
+    status: dict[str, Any] | None = None
+    _metrics: list[dict[str, Any]] | None = field(default=None, repr=False)
+
+    @property
+    def method(self) -> str:
+        return str(self.results["method"])
+
+    @property
+    def seed(self) -> Any:
+        return self.results["seed"]
+
+    @property
+    def train_context(self) -> int:
+        return int(self.results["train_context"])
+
+    @property
+    def name(self) -> str:
+        return str(self.results.get("run_name") or self.path.name)
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        if self._metrics is None:
+            self._metrics = read_metrics(self.path)
+        return self._metrics
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+def _markers(directory: Path) -> tuple[bool, bool]:
+    """(strong, weak): strong = results/status file; weak = config/metrics or a Hydra job dir."""
+    strong = (directory / RESULTS_FILE).is_file() or (directory / STATUS_FILE).is_file()
+    weak = (
+        (directory / CONFIG_FILE).is_file()
+        or (directory / METRICS_FILE).is_file()
+        or (directory / ".hydra" / "config.yaml").is_file()
+    )
+    return strong, weak
+
+
+def _run_dirs_under(root: Path) -> list[Path]:
+    """Run directories at or below ``root`` (hidden folders and run sub-folders are skipped)."""
+    strong_dirs, weak_dirs = [], []
+    for current, subdirs, _files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d not in _SKIP_DIRS)
+        here = Path(current)
+        strong, weak = _markers(here)
+        if strong:
+            strong_dirs.append(here)
+            subdirs[:] = []  # a run does not contain other runs
+        elif weak:
+            weak_dirs.append(here)
+    # A dir with only weak markers (e.g. a Hydra job dir) that contains a real run is not a run.
+    strong_set = set(strong_dirs)
+    weak_dirs = [w for w in weak_dirs if not any(w in s.parents for s in strong_set)]
+    return sorted(strong_dirs + weak_dirs)
+
+
+def _problem_reason(run_dir: Path) -> str:
+    status = read_status(run_dir)
+    if status is None:
+        if (run_dir / STATUS_FILE).exists():
+            return "no results.json and unreadable status.json"
+        return "no results.json (still running, or crashed before writing status.json?)"
+    state = status.get("status")
+    if state == "failed":
+        return f"failed: {status.get('error') or 'no error message recorded'}"
+    if state == "interrupted":
+        return f"interrupted: {status.get('error') or 'stopped early'} (rerun the same command to resume)"
+    if state == "completed":
+        return "status says completed but results.json is missing"
+    return "no results.json (still running?)"
+
+
+def discover_runs(patterns: Iterable[str | os.PathLike]) -> tuple[list[RunRecord], list[tuple[str, str]]]:
+    """Find runs from run dirs, sweep dirs (searched recursively), results.json files or globs.
+
+    Returns ``(ok, problems)``: ``ok`` holds a :class:`RunRecord` per valid results.json (sorted
+    by path); ``problems`` a ``(path, reason)`` per run directory without a usable results.json
+    (failed, running, corrupt) and per pattern that matched nothing. Never raises for bad runs.
+    """
+    problems: list[tuple[str, str]] = []
+    run_dirs: list[Path] = []
+    for pattern in patterns:
+        pattern = os.path.expanduser(str(pattern))
+        matches = sorted(glob.glob(pattern, recursive=True)) if _is_glob(pattern) else [pattern]
+        matches = [m for m in matches if os.path.exists(m)]
+        if not matches:
+            problems.append((pattern, "no such file or directory"))
+            continue
+        found = []
+        for match in map(Path, matches):
+            if match.is_file():
+                if match.name == RESULTS_FILE:
+                    found.append(match.parent)
+            else:
+                found.extend(_run_dirs_under(match))
+        if not found:
+            problems.append((pattern, "no run directories found (no results.json, status.json or config.yaml)"))
+        run_dirs.extend(found)
+
+    ok: list[RunRecord] = []
+    seen: set[Path] = set()
+    for run_dir in run_dirs:
+        key = run_dir.resolve()
+        if key in seen:
+            continue
+        seen.add(key)
+        results_path = run_dir / RESULTS_FILE
+        if not results_path.exists():
+            problems.append((str(run_dir), _problem_reason(run_dir)))
+            continue
+        try:
+            results = read_results(results_path)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            problems.append((str(run_dir), f"corrupt results.json: {err}"))
+        except ValueError as err:
+            problems.append((str(run_dir), f"invalid results.json: {err}"))
+        except OSError as err:
+            problems.append((str(run_dir), f"unreadable results.json: {err}"))
+        else:
+            ok.append(RunRecord(path=run_dir, results=results, status=read_status(run_dir)))
+    ok.sort(key=lambda r: str(r.path))
+    return ok, problems

@@ -1,0 +1,179 @@
+"""Typed, validated settings for the trainer and the evaluator.
+
+Hydra composes plain YAML; these dataclasses are where every field is documented, typed and
+checked, so a bad value (``trainer.lr=-1``, ``trainer.context=abc``) is refused before any work
+with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+from posbench.errors import PosbenchError
+
+T = TypeVar("T")
+
+
+def from_section(cls: type[T], section: str, values: dict[str, Any] | None) -> T:
+    """Build dataclass ``cls`` from a config section, with one-line errors for bad keys/types."""
+    values = dict(values or {})
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise PosbenchError(
+            f"unknown option(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
+            f"known: {', '.join(known)}"
+        )
+    for name, value in values.items():
+        values[name] = _coerce(section, name, known[name].type, value)
+    obj = cls(**values)
+    validate = getattr(obj, "validate", None)
+    if validate:
+        validate()
+    return obj
+
+
+def _coerce(section: str, name: str, annotation: Any, value: Any) -> Any:
+    """Check ``value`` against a field's annotation (str form, from ``from __future__``)."""
+    spec = str(annotation).replace(" ", "")
+    optional = "None" in spec.split("|")
+    if value is None:
+        if optional:
+            return None
+        raise PosbenchError(f"{section}.{name} cannot be null")
+    base = [t for t in spec.split("|") if t != "None"][0]
+
+    def bad(kind: str) -> PosbenchError:
+        return PosbenchError(f"{section}.{name} must be {kind}, got {value!r}")
+
+    if base == "bool":
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif base == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+    elif base == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        value = float(value)
+    elif base == "str":
+        if not isinstance(value, str):
+            raise bad("a string")
+    elif base.startswith("list"):
+        if not isinstance(value, (list, tuple)):
+            raise bad("a list, e.g. [512,1024]")
+        value = list(value)
+    return value
+
+
+def _positive(section: str, **values: Any) -> None:
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise PosbenchError(f"{section}.{name} must be positive, got {value}")
+
+
+@dataclass
+class TrainerConfig:
+    """How a model is trained. Defaults reproduce the seed article's setup."""
+
+    context: int = 256
+    """Training context length (tokens per sequence)."""
+    batch_size: int = 64
+    """Global batch in sequences per optimizer step, summed over all processes."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward per process; None = batch_size / world size (no
+    gradient accumulation). Must divide batch_size / world size."""
+    epochs: float = 1.0
+    """Passes over the training tokens; ignored when max_steps or max_tokens is set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides epochs)."""
+    max_tokens: int | None = None
+    """Stop after this many training tokens (overrides epochs; max_steps wins if both set)."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 200
+    """Linear warmup steps (capped at a tenth of the run for very short runs)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (not on norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables."""
+    precision: str = "auto"
+    """auto | fp32 | bf16. auto = bf16 autocast on CUDA (fp32 master weights, fp32 loss), fp32
+    on CPU."""
+    compile: str = "auto"
+    """auto | true | false: torch.compile the model. auto = on for CUDA, off on CPU."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N. auto = cuda when available."""
+    log_every: int = 10
+    """Write a metrics.jsonl line (and check the loss is finite) every N steps."""
+    val_every: int = 250
+    """Validation loss at the training context every N steps (0 = only at the end)."""
+    val_sequences: int = 64
+    """Validation sequences (of context length) for the periodic validation loss."""
+    checkpoint_every_steps: int = 1000
+    """Save a checkpoint every N steps (0 = only by time, signal and at the end)."""
+    checkpoint_every_minutes: float = 30.0
+    """Also save when this many minutes passed since the last checkpoint (0 = off)."""
+    keep_checkpoints: int = 2
+    """How many step checkpoints to keep (oldest deleted first)."""
+    resume: str = "auto"
+    """auto: continue from the latest checkpoint in the run directory if there is one;
+    false: never (refuses to overwrite a run directory that has checkpoints);
+    <run dir>: continue that run, in that directory."""
+    stop_after_steps: int | None = None
+    """Testing aid: behave as if preempted (checkpoint, exit non-zero) after this global step."""
+    progress: bool = True
+    """Show a progress bar (on a terminal) with loss, tokens/s and ETA."""
+
+    def validate(self) -> None:
+        s = "trainer"
+        _positive(s, context=self.context, batch_size=self.batch_size, lr=self.lr,
+                  micro_batch_size=self.micro_batch_size, max_steps=self.max_steps,
+                  max_tokens=self.max_tokens, log_every=self.log_every,
+                  val_sequences=self.val_sequences, keep_checkpoints=self.keep_checkpoints)
+        if not self.epochs > 0:
+            raise PosbenchError(f"trainer.epochs must be positive, got {self.epochs}")
+        for name in ("warmup_steps", "val_every", "checkpoint_every_steps", "grad_clip",
+                     "weight_decay", "checkpoint_every_minutes"):
+            if getattr(self, name) < 0:
+                raise PosbenchError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise PosbenchError(f"trainer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise PosbenchError("trainer.beta1 and trainer.beta2 must be in [0, 1)")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise PosbenchError(f"trainer.precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if str(self.compile).lower() not in ("auto", "true", "false"):
+            raise PosbenchError(f"trainer.compile must be auto, true or false, got {self.compile!r}")
+
+
+@dataclass
+class EvalConfig:
+    """How a trained model is evaluated past its training context."""
+
+    lengths: list[int] = field(default_factory=lambda: [512])
+    """Evaluation sequence lengths; each gets a per-position loss curve. 512 holds the
+    headline 256-512 band; add 1024, 2048, ... for longer extrapolation."""
+    split: str = "validation"
+    """validation (held-out, default) or train (the seed article's measurement, on training
+    text)."""
+    num_sequences: int = 256
+    """Non-overlapping sequences per length, taken deterministically from the start of the split."""
+    batch_size: int = 16
+    """Sequences per forward pass during evaluation."""
+
+    def validate(self) -> None:
+        if not self.lengths or any(
+            isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in self.lengths
+        ):
+            raise PosbenchError(f"eval.lengths must be a list of positive integers, got {self.lengths}")
+        if self.split not in ("validation", "train"):
+            raise PosbenchError(f"eval.split must be validation or train, got {self.split!r}")
+        _positive("eval", num_sequences=self.num_sequences, batch_size=self.batch_size)

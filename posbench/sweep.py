@@ -1,0 +1,109 @@
+"""Hydra multirun callback: comparison plots and a summary once every job of a sweep is done.
+
+Enable it in the Hydra config::
+
+    hydra:
+      callbacks:
+        compare_plots:
+          _target_: posbench.sweep.ComparePlotsCallback
+          formats: [png]
+
+At the end of ``posbench train -m ...`` it writes ``<sweep dir>/summary.md`` (finished jobs with
+their headline band, failed or missing jobs with the reason) and ``<sweep dir>/comparison/``
+(everything :func:`posbench.plot.plot_runs` makes). It never raises: a sweep's results must not
+be lost because a plot failed, so errors become warnings in the log.
+
+Note: Hydra's basic sweeper re-raises a job's exception after the batch and then skips
+``on_multirun_end``; jobs should therefore record failures in status.json and return normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from posbench.io import write_text_atomic
+from posbench.results import RunRecord, discover_runs
+
+log = logging.getLogger(__name__)
+
+# Failed or missing jobs found by the last on_multirun_end in this process (read by the CLI to
+# exit non-zero after a sweep with failures; Hydra itself keeps going past failed jobs).
+_last_sweep_failures = 0
+
+
+def failed_jobs_of_last_sweep() -> int:
+    """Number of failed/missing jobs of the last sweep that ended in this process (0 if none ran)."""
+    return _last_sweep_failures
+
+
+def _relative(path: str | os.PathLike, root: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(root.resolve())) or "."
+    except ValueError:
+        return str(path)
+
+
+def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], problems: Sequence[tuple[str, str]]) -> str:
+    """Markdown listing a sweep's finished jobs (with the headline band) and failed/missing ones."""
+    root = Path(sweep_dir)
+    lines = [f"# Sweep summary: {root}", "", f"## Finished ({len(runs)})", ""]
+    if runs:
+        lines += ["| job | method | seed | headline band | loss |", "|---|---|---|---|---:|"]
+        for run in runs:
+            band = f"{run.train_context}-{2 * run.train_context}"
+            value = next((e["bands"][band] for e in sorted(run.results["eval"], key=lambda e: e["length"])
+                          if band in e["bands"]), None)
+            shown = "-" if value is None else f"{value:.4f}"
+            lines.append(f"| `{_relative(run.path, root)}` | {run.method} | {run.seed} | {band} | {shown} |")
+    else:
+        lines.append("None.")
+    lines += ["", f"## Failed or missing ({len(problems)})", ""]
+    lines += [f"- `{_relative(path, root)}`: {reason}" for path, reason in problems] or ["None."]
+    if runs:
+        lines += ["", "Comparison figures and band tables: `comparison/` (see `comparison/bands.md`)."]
+    return "\n".join(lines) + "\n"
+
+
+class ComparePlotsCallback(Callback):
+    """Writes ``summary.md`` and ``comparison/`` into the sweep dir when a multirun ends."""
+
+    def __init__(self, formats: Sequence[str] = ("png",), out_subdir: str = "comparison") -> None:
+        self.formats = tuple(formats)
+        self.out_subdir = out_subdir
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global _last_sweep_failures
+        _last_sweep_failures = 0
+        try:
+            sweep_dir = Path(str(config.hydra.sweep.dir))
+        except Exception as err:  # noqa: BLE001 - a callback must never break the sweep
+            log.warning("comparison plots skipped: no hydra.sweep.dir in the config (%s)", err)
+            return
+        try:
+            runs, problems = discover_runs([sweep_dir])
+            # A sweep dir with no job dirs at all is a problem of the pattern, not a failed job.
+            problems = [(p, r) for p, r in problems if Path(p) != sweep_dir]
+            _last_sweep_failures = len(problems)
+            write_text_atomic(sweep_dir / "summary.md", sweep_summary(sweep_dir, runs, problems))
+            log.info("sweep summary: %d finished, %d failed or missing -> %s",
+                     len(runs), len(problems), sweep_dir / "summary.md")
+        except Exception as err:  # noqa: BLE001
+            log.warning("could not write the sweep summary in %s: %s", sweep_dir, err)
+            return
+        if not runs:
+            log.warning("no finished runs in %s; comparison plots skipped", sweep_dir)
+            return
+        try:
+            from posbench.plot import plot_runs
+
+            out_dir = sweep_dir / self.out_subdir
+            plot_runs([str(sweep_dir)], out_dir=out_dir, formats=self.formats, log=log.debug)
+            log.info("comparison plots for %d runs written to %s", len(runs), out_dir)
+        except Exception as err:  # noqa: BLE001
+            log.warning("comparison plots failed (the runs themselves are intact): %s", err)

@@ -1,0 +1,565 @@
+"""Training: one run of one position method, from config to checkpoint, results and figures.
+
+    config -> data cache -> model -> AdamW (warmup + cosine) over deterministic batches
+           -> metrics.jsonl / W&B / checkpoints -> evaluation -> results.json + figures
+
+Batches are a pure function of (seed, step), so a checkpoint's step is its data position and a
+resumed run reproduces the uninterrupted one exactly. The loop synchronises with the device only
+at logging steps. SIGTERM / SIGINT / SIGUSR1 (what SLURM sends before preemption) make the loop
+save a checkpoint at the next step boundary and exit non-zero; the next start resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from posbench.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state, list_checkpoints
+from posbench.distributed import DistInfo, any_rank, init_distributed, mean_across_ranks, shutdown
+from posbench.errors import PosbenchError
+from posbench.model import ModelConfig, Transformer, build_model
+from posbench.settings import EvalConfig, TrainerConfig, from_section
+
+logger = logging.getLogger("posbench")
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class TrainingInterrupted(Exception):
+    """Raised after a checkpoint was saved because the run was asked to stop (signal / test aid)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class NonFiniteLoss(PosbenchError):
+    """The loss became NaN/inf; the run stops with its last good checkpoint kept."""
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class RunSpec:
+    """Everything a run needs, validated before any work starts."""
+
+    trainer: TrainerConfig
+    eval: EvalConfig
+    model: ModelConfig
+    method: str
+    method_options: dict[str, Any]
+    data: Any  # posbench.data.DataConfig
+    seed: int
+    run_name: str
+
+
+def method_from_config(section: Any) -> tuple[str, dict[str, Any]]:
+    """``method`` config section -> (name, options)."""
+    values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+    name = values.pop("name", None)
+    if not isinstance(name, str):
+        raise PosbenchError("method.name is missing; pick a method with method=<name>")
+    return name, values
+
+
+def data_config(section: Any):
+    from posbench.data import DataConfig
+
+    return from_section(DataConfig, "data", OmegaConf.to_container(section, resolve=True))
+
+
+def build_spec(cfg: DictConfig) -> RunSpec:
+    """Validate the whole composed config; every user error surfaces here, before any work."""
+    from posbench.methods import build_method, method_class, ModelDims
+
+    trainer = from_section(TrainerConfig, "trainer", OmegaConf.to_container(cfg.trainer, resolve=True))
+    evaluation = from_section(EvalConfig, "eval", OmegaConf.to_container(cfg.eval, resolve=True))
+    model_values = OmegaConf.to_container(cfg.model, resolve=True)
+    model = from_section(ModelConfig, "model", model_values)
+    method, options = method_from_config(cfg.method)
+    method_class(method)
+    # Build the method once on the meta device: shape problems (odd rope head dim, bad options)
+    # are reported now rather than after the data is tokenized.
+    try:
+        with torch.device("meta"):
+            probe = build_method(method, ModelDims(model.d_model, model.n_heads, model.n_layers), **options)
+    except ValueError as err:
+        raise PosbenchError(f"method={method} cannot run on this model: {err}") from None
+    seed = cfg.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise PosbenchError(f"seed must be an integer, got {seed!r}")
+    if min(evaluation.lengths) < trainer.context:
+        raise PosbenchError(
+            f"eval.lengths {evaluation.lengths} has a length below trainer.context={trainer.context}; "
+            f"evaluate at or beyond the training context, e.g. eval.lengths=[{2 * trainer.context}]"
+        )
+    longest = max(max(evaluation.lengths), trainer.context)
+    if probe.max_positions is not None and longest > probe.max_positions:
+        raise PosbenchError(
+            f"method={method} supports positions up to {probe.max_positions} but eval/training "
+            f"needs {longest}; raise method.max_positions to at least {longest}"
+        )
+    return RunSpec(trainer, evaluation, model, method, options, data_config(cfg.data), seed,
+                   str(cfg.get("run_name", f"{method}-s{seed}")))
+
+
+def resolve_device(name: str, dist_info: DistInfo | None = None) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise PosbenchError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu")
+        if dist_info is not None and dist_info.enabled:
+            return torch.device("cuda", dist_info.local_rank)
+    return torch.device(name)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """Linear warmup then cosine decay to ``min_ratio`` of the peak, as a multiplier of lr."""
+    warmup = min(warmup_steps, max(1, total_steps // 10))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainerConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; matrices decay, norms and other vectors do not (nanoGPT/Llama practice)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class StopRequest:
+    """Turns preemption signals into a flag the loop checks at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading_main():
+            for sig in PREEMPTION_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        logger.warning("received %s: saving a checkpoint at the end of this step", signal.Signals(signum).name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def resolve_run_dir(t: TrainerConfig, run_dir: Path) -> tuple[Path, bool]:
+    """Where the run writes and whether it continues from a checkpoint there."""
+    resume = str(t.resume)
+    if resume.lower() in ("auto", "true"):
+        return run_dir, bool(list_checkpoints(run_dir))
+    if resume.lower() in ("false", "none", "null"):
+        if list_checkpoints(run_dir):
+            raise PosbenchError(
+                f"{run_dir} already has checkpoints; continue it with trainer.resume=auto "
+                "or choose a fresh hydra.run.dir"
+            )
+        return run_dir, False
+    target = Path(resume).expanduser()
+    if not list_checkpoints(target):
+        raise PosbenchError(f"trainer.resume={resume}: no checkpoints in that directory; pass a run directory")
+    return target, True
+
+
+def train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train, evaluate and write a complete run directory; returns the results dict."""
+    from posbench.data import prepare_data
+    from posbench.data.loader import TrainBatches, eval_sequences
+    from posbench.loggers import make_logger
+    from posbench.results import write_results, write_status
+
+    log = log or logger.info
+    spec = build_spec(cfg)
+    t = spec.trainer
+    device = resolve_device(t.device)
+    dist_info = init_distributed(device.type)
+    device = resolve_device(t.device, dist_info)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    elif dist_info.is_main and cfg.model.get("flavour") not in ("tiny", "mini") and t.max_steps is None:
+        log("warning: training on the CPU; the full setup takes very long there. "
+            "For a quick CPU run use experiment=cpu_quick")
+    run_dir, resuming = resolve_run_dir(t, Path(run_dir))
+    is_main = dist_info.is_main
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_status(run_dir, "running", method=spec.method, seed=spec.seed)
+
+    torch.manual_seed(spec.seed)
+    import random
+
+    import numpy as np
+
+    random.seed(spec.seed)
+    np.random.seed(spec.seed)
+
+    prepared = prepare_data(spec.data, log=log)
+    spec.model.vocab_size = prepared.vocab_size
+    raw_model = build_model(spec.model, spec.method, spec.method_options).to(device)
+    optimizer = make_optimizer(raw_model, t, device)
+
+    per_process = t.batch_size // dist_info.world_size
+    if per_process * dist_info.world_size != t.batch_size:
+        raise PosbenchError(
+            f"trainer.batch_size={t.batch_size} is not divisible by the {dist_info.world_size} processes"
+        )
+    micro = t.micro_batch_size or per_process
+    if per_process % micro:
+        raise PosbenchError(
+            f"trainer.micro_batch_size={micro} must divide the per-process batch {per_process}"
+        )
+    accum = per_process // micro
+    batches = TrainBatches(prepared.train_tokens(), t.context, t.batch_size, spec.seed,
+                           rank=dist_info.rank, world_size=dist_info.world_size)
+    tokens_per_step = t.batch_size * t.context
+    if t.max_steps is not None:
+        total_steps = t.max_steps
+    elif t.max_tokens is not None:
+        total_steps = max(1, math.ceil(t.max_tokens / tokens_per_step))
+    else:
+        total_steps = max(1, round(t.epochs * batches.steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(total_steps, t.warmup_steps, t.min_lr_ratio)
+    )
+
+    start_step, elapsed_before = 0, 0.0
+    if resuming:
+        state = load_latest_checkpoint(run_dir, log=log, map_location=device)
+        if state is None:
+            log(f"no usable checkpoint in {run_dir}; starting from scratch")
+        else:
+            if state.get("method") != spec.method:
+                raise PosbenchError(
+                    f"{run_dir} holds a run of method={state.get('method')}, not method={spec.method}; "
+                    "resume it with the same config or choose a fresh hydra.run.dir"
+                )
+            raw_model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            set_rng_state(state["rng"])
+            start_step, elapsed_before = state["step"], state.get("elapsed_seconds", 0.0)
+            log(f"resuming {run_dir} from step {start_step} ({state['path']})")
+    if is_main:
+        truncate_metrics(run_dir / "metrics.jsonl", start_step)
+
+    model: torch.nn.Module = raw_model
+    if dist_info.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+    use_compile = str(t.compile).lower() == "true" or (str(t.compile).lower() == "auto" and device.type == "cuda")
+    if use_compile:
+        model = torch.compile(model)
+    amp_dtype = autocast_dtype(t.precision, device)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+
+    val_seqs = eval_sequences(prepared.valid_tokens(), t.context, t.val_sequences) if is_main else None
+    group = str(cfg.get("experiment_name", "default"))
+    run_logger = make_logger(
+        cfg.logger, run_dir=run_dir, run_name=spec.run_name, group=group,
+        tags=[spec.method, f"model-{spec.model.flavour}"],
+        config=OmegaConf.to_container(cfg, resolve=True), rank=dist_info.rank, log=log,
+    )
+
+    def checkpoint_state(step: int, elapsed: float) -> dict[str, Any]:
+        return {
+            "step": step, "tokens": step * tokens_per_step, "elapsed_seconds": elapsed,
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "rng": rng_state(),
+            "config": OmegaConf.to_container(cfg, resolve=True), "method": spec.method,
+            "method_options": spec.method_options, "model_config": spec.model.to_dict(),
+            "data_dir": str(prepared.dir),
+        }
+
+    log(
+        f"training {spec.run_name}: method={spec.method} model={spec.model.flavour} "
+        f"({raw_model.num_parameters(non_embedding=True) / 1e6:.2f} M non-embedding params) on {device}, "
+        f"{total_steps} steps x {tokens_per_step} tokens ({batches.steps_per_epoch} steps/epoch), "
+        f"world size {dist_info.world_size}"
+    )
+    progress = make_progress(total_steps, start_step, enabled=is_main and t.progress)
+    text_every = max(t.log_every, total_steps // 20)
+    start_time = time.perf_counter()
+    last_ckpt_time = start_time
+    window_start, window_tokens = time.perf_counter(), 0
+    loss_value = float("nan")
+    step = start_step
+    try:
+        with StopRequest() as stop:
+            model.train()
+            for step in range(start_step + 1, total_steps + 1):
+                x, y = batches.get(step - 1)
+                x, y = to_device(x, device), to_device(y, device)
+                loss_sum = torch.zeros((), device=device)
+                for i in range(accum):
+                    xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+                    sync = accum == 1 or i == accum - 1 or not dist_info.enabled
+                    with (nullcontext() if sync else model.no_sync()), autocast():
+                        logits = model(xs)
+                        loss = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten()) / accum
+                    loss.backward()
+                    loss_sum += loss.detach()
+                if t.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                window_tokens += tokens_per_step
+
+                if step % t.log_every == 0 or step == total_steps:
+                    loss_value = float(mean_across_ranks(loss_sum, dist_info))  # the one sync per window
+                    now = time.perf_counter()
+                    tps = window_tokens / max(now - window_start, 1e-9)
+                    window_start, window_tokens = now, 0
+                    if not math.isfinite(loss_value):
+                        kept = list_checkpoints(run_dir)
+                        raise NonFiniteLoss(
+                            f"loss became {loss_value} at step {step}; "
+                            + (f"last good checkpoint kept: {kept[-1].name}; " if kept else "")
+                            + "lower trainer.lr or raise trainer.warmup_steps"
+                        )
+                    row = {"step": step, "tokens": step * tokens_per_step, "loss": loss_value,
+                           "lr": scheduler.get_last_lr()[0], "tokens_per_second": tps,
+                           "elapsed_seconds": elapsed_before + now - start_time}
+                    if is_main:
+                        append_metrics(run_dir / "metrics.jsonl", row)
+                        run_logger.log_metrics({f"train/{k}": v for k, v in row.items()}, step=step)
+                        progress.update_to(step, loss_value, tps)
+                        if not progress.enabled and (step % text_every == 0 or step == total_steps):
+                            log(f"step {step}/{total_steps} loss {loss_value:.4f} {tps:,.0f} tok/s")
+                if is_main and t.val_every and (step % t.val_every == 0) and step != total_steps:
+                    validate(raw_model, val_seqs, micro, device, autocast, run_dir, run_logger, step, tokens_per_step)
+                    model.train()
+
+                stop_now = stop.signum is not None or (t.stop_after_steps is not None and step >= t.stop_after_steps)
+                if dist_info.enabled and step % t.log_every == 0:
+                    stop_now = any_rank(stop_now, dist_info)
+                elif dist_info.enabled:
+                    stop_now = False  # ranks agree on stopping only at log steps
+                now = time.perf_counter()
+                due = (t.checkpoint_every_steps and step % t.checkpoint_every_steps == 0) or (
+                    t.checkpoint_every_minutes and now - last_ckpt_time >= 60 * t.checkpoint_every_minutes
+                )
+                if is_main and (due or stop_now) and step != total_steps:
+                    save_checkpoint(run_dir, checkpoint_state(step, elapsed_before + now - start_time), t.keep_checkpoints)
+                    last_ckpt_time = now
+                if stop_now and step != total_steps:
+                    signum = stop.signum or signal.SIGTERM
+                    if is_main:
+                        write_status(run_dir, "interrupted", method=spec.method, seed=spec.seed,
+                                     error=f"stopped at step {step}", step=step)
+                    raise TrainingInterrupted(
+                        f"stopped at step {step}/{total_steps}; checkpoint saved in {run_dir / 'checkpoints'}; "
+                        "run the same command again (or trainer.resume=<run dir>) to continue",
+                        exit_code=128 + int(signum),
+                    )
+            wall = elapsed_before + time.perf_counter() - start_time
+            if is_main:
+                save_checkpoint(run_dir, checkpoint_state(total_steps, wall), t.keep_checkpoints)
+    except BaseException as err:
+        progress.close()
+        run_logger.finish(exit_code=1)
+        if is_main and not isinstance(err, TrainingInterrupted):
+            write_status(run_dir, "failed", method=spec.method, seed=spec.seed, error=one_line(err))
+        shutdown(dist_info)
+        raise
+    progress.close()
+
+    results: dict[str, Any] = {}
+    if is_main:
+        val_loss = validate(raw_model, val_seqs, micro, device, autocast, run_dir, run_logger, total_steps, tokens_per_step)
+        results = evaluate_run(raw_model, prepared, spec, device, amp_dtype, log)
+        train_tokens = total_steps * tokens_per_step
+        results["train"] = {
+            "tokens": train_tokens, "steps": total_steps, "final_loss": loss_value,
+            "final_val_loss": val_loss, "epochs": train_tokens / max(1, batches.steps_per_epoch * tokens_per_step),
+            "tokens_per_second": (total_steps - start_step) * tokens_per_step / max(time.perf_counter() - start_time, 1e-9),
+            "wall_seconds": wall, "device": device.type, "world_size": dist_info.world_size,
+            "resumed_from_step": start_step or None,
+        }
+        results["run_name"] = spec.run_name
+        results["model"] = {**spec.model.to_dict(), "parameters": raw_model.num_parameters(),
+                            "non_embedding_parameters": raw_model.num_parameters(non_embedding=True)}
+        results["method_options"] = spec.method_options
+        results["data"] = {"dir": str(prepared.dir), "meta": prepared.meta}
+        results["versions"] = versions()
+        write_results(run_dir, results)
+        figures = write_run_figures(run_dir, log)
+        run_logger.log_eval(results["eval"], t.context)
+        run_logger.summary({"train/final_loss": loss_value, "train/tokens_per_second": results["train"]["tokens_per_second"]})
+        run_logger.log_figures(figures)
+        write_status(run_dir, "completed", method=spec.method, seed=spec.seed)
+        log(f"done: {run_dir / 'results.json'}; 256-512 loss {headline(results):.4f}")
+    run_logger.finish(exit_code=0)
+    shutdown(dist_info)
+    return results
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def evaluate_run(model: Transformer, prepared: Any, spec: RunSpec, device: torch.device,
+                 amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> dict[str, Any]:
+    from posbench.evaluate import evaluate_model
+    from posbench.results import SCHEMA_VERSION
+
+    e = spec.eval
+    tokens = prepared.tokens(e.split)
+    entries = evaluate_model(model, tokens, e.lengths, e.num_sequences, e.batch_size, spec.trainer.context,
+                             device, split=e.split, log=log, autocast_dtype=amp_dtype)
+    return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed,
+            "train_context": spec.trainer.context, "eval": entries,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+@torch.no_grad()
+def validate(model: Transformer, sequences: torch.Tensor, batch: int, device: torch.device, autocast,
+             run_dir: Path, run_logger: Any, step: int, tokens_per_step: int) -> float:
+    """Mean next-token loss on fixed held-out sequences at the training context."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(sequences), batch):
+        seq = sequences[i:i + batch].to(device)
+        with autocast():
+            logits = model(seq[:, :-1])
+        total += float(F.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten(), reduction="sum"))
+        count += seq[:, 1:].numel()
+    val_loss = total / count
+    append_metrics(run_dir / "metrics.jsonl", {"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss})
+    run_logger.log_metrics({"val/loss": val_loss, "train/tokens": step * tokens_per_step}, step=step)
+    logger.info("step %d validation loss %.4f", step, val_loss)
+    return val_loss
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics logged after ``step`` (a resumed run logs them again)."""
+    import json
+
+    from posbench.io import write_text_atomic
+
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if row.get("step", 0) <= step:
+            keep.append(line)
+    write_text_atomic(path, "".join(f"{line}\n" for line in keep))
+
+
+def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:
+    from posbench.plot import plot_single_run
+
+    try:
+        written = plot_single_run(run_dir)
+        return [Path(p) for p in (written or [])]
+    except Exception as err:  # figures must never cost a finished run its results
+        log(f"warning: could not draw the run's figures: {one_line(err)}")
+        return []
+
+
+def headline(results: dict[str, Any]) -> float:
+    for entry in results.get("eval", []):
+        if "256-512" in entry.get("bands", {}):
+            return float(entry["bands"]["256-512"])
+    return float("nan")
+
+
+def versions() -> dict[str, str]:
+    import posbench
+
+    return {"posbench": posbench.__version__, "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cuda": torch.version.cuda or "", "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+class make_progress:
+    """A tqdm bar (terminal only) showing loss, tokens/s and ETA; silent otherwise."""
+
+    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty() and os.environ.get("CI") is None
+        self.bar = None
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update_to(self, step: int, loss: float, tokens_per_second: float) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:,.0f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

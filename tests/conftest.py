@@ -1,0 +1,84 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# Test models are tiny: one thread avoids oversubscribing a 2-core CI machine, where torch's
+# default threading made single steps ~100x slower under load. Subprocesses inherit the env.
+torch.set_num_threads(1)
+import os as _os
+
+_os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """``../shared/data`` beside the project (real TinyStories text, GPT-2 tokenizer files);
+    tests using it skip when it is absent, as it is for users."""
+    path = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    if not path.is_dir():
+        pytest.skip(f"{path} not found (only present on development machines)")
+    return path
+
+
+@pytest.fixture
+def tiny_corpus() -> dict[str, list[str]]:
+    """A few short stories per split, with the distinct story texts tests can look for."""
+    names = ["Lily", "Ben", "Tom", "Mia", "Sam", "Max"]
+    train = [
+        f"Once upon a time, {n} had a red ball.\n{n} played in the park with a dog. "
+        f"The dog was happy and {n} was happy too. Story number {i}."
+        for i, n in enumerate(names * 5)
+    ]
+    valid = [f"One day, {n} saw a big bird near the lake. Validation story {i}." for i, n in enumerate(names)]
+    return {"train": train, "validation": valid}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Every test shares one token cache in a temp dir, never the user's ~/.cache/posbench."""
+    import os
+
+    cache = tmp_path_factory.mktemp("posbench-cache")
+    old = os.environ.get("POSBENCH_CACHE")
+    os.environ["POSBENCH_CACHE"] = str(cache)
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    yield cache
+    if old is None:
+        os.environ.pop("POSBENCH_CACHE", None)
+    else:
+        os.environ["POSBENCH_CACHE"] = old
+
+
+# Overrides that make a full train + eval run take seconds on a CPU.
+QUICK_TRAIN = [
+    "model=tiny",
+    "data=synthetic",
+    "logger=none",
+    "trainer.context=32",
+    "trainer.batch_size=4",
+    "trainer.max_steps=6",
+    "trainer.log_every=2",
+    "trainer.val_every=0",
+    "trainer.val_sequences=4",
+    "trainer.checkpoint_every_steps=0",
+    "trainer.checkpoint_every_minutes=0",
+    "trainer.warmup_steps=2",
+    "eval.lengths=[64]",
+    "eval.num_sequences=4",
+    "eval.batch_size=4",
+]
+
+
+def compose_config(name: str, overrides: list[str]):
+    """Compose a shipped primary config (train, eval, ...) the way the CLI does."""
+    from hydra import compose, initialize_config_dir
+
+    from posbench.config import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)

@@ -1,0 +1,202 @@
+"""Run discovery, comparison figures/tables and the Hydra sweep callback, on fake run dirs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from posbench.errors import PosbenchError
+from posbench.evaluate import band_means
+from posbench.plot import plot_runs, plot_single_run
+from posbench.results import (
+    build_results,
+    discover_runs,
+    read_metrics,
+    read_results,
+    read_status,
+    validate_results,
+    write_results,
+    write_status,
+)
+from posbench.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
+
+PNG = b"\x89PNG\r\n\x1a\n"
+METHODS = {"rope": 0.0, "alibi": -0.1, "nope": 0.3}  # loss offsets; nope also blows up past 256
+
+
+def curve(method: str, seed: int, length: int) -> list[float]:
+    pos = np.arange(length)
+    loss = 2.0 + 3.0 * np.exp(-pos / 30) + METHODS.get(method, 0.0) + 0.01 * seed * np.sin(pos)
+    if method == "nope":
+        loss = loss + np.where(pos >= 256, 6.0, 0.0)
+    return loss.tolist()
+
+
+def make_run(run_dir: Path, method: str, seed: int) -> dict:
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"method:\n  name: {method}\nseed: {seed}\n")
+    evals = [
+        {"split": "validation", "length": L, "num_sequences": 4, "loss_by_position": curve(method, seed, L),
+         "bands": band_means(curve(method, seed, L), 256)}
+        for L in (512, 1024)
+    ]
+    results = build_results(
+        method=method, seed=seed, train_context=256,
+        train={"tokens": 6400, "steps": 20, "final_loss": 2.5, "tokens_per_second": 1e4,
+               "wall_seconds": 1.0, "device": "cpu"},
+        eval=evals, run_name=run_dir.name,
+    )
+    write_results(run_dir, results)
+    lines = [json.dumps({"step": s, "tokens": 320 * s, "loss": 8.0 / (1 + s) + 2 + seed * 0.01, "lr": 1e-3,
+                         "tokens_per_second": 1e4, "elapsed_seconds": s * 0.1}) for s in range(1, 21)]
+    lines.append(json.dumps({"step": 20, "tokens": 6400, "val_loss": 2.6}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 21, "tok')  # truncated last line
+    write_status(run_dir, "completed", method=method, seed=seed)
+    return results
+
+
+@pytest.fixture()
+def sweep(tmp_path: Path) -> Path:
+    root = tmp_path / "sweep"
+    job = 0
+    for method in METHODS:
+        for seed in (0, 1):
+            make_run(root / str(job), method, seed)
+            job += 1
+    failed = root / str(job)
+    failed.mkdir()
+    write_status(failed, "failed", error="RuntimeError: CUDA out of memory", method="t5", seed=0)
+    corrupt = root / str(job + 1)
+    make_run(corrupt, "relative", 0)
+    (corrupt / "results.json").write_text('{"schema_version": 1, "method": ')
+    hydra_only = root / str(job + 2) / ".hydra"  # a job that died before the trainer started
+    hydra_only.mkdir(parents=True)
+    (hydra_only / "config.yaml").write_text("seed: 0\n")
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    return root
+
+
+def expected_stats(band: str, length: int, method: str) -> tuple[float, float]:
+    a, b = map(int, band.split("-"))
+    values = [float(np.mean(curve(method, seed, length)[a:b])) for seed in (0, 1)]
+    return float(np.mean(values)), float(np.std(values, ddof=1))
+
+
+def test_results_roundtrip_and_validation(tmp_path: Path) -> None:
+    results = make_run(tmp_path / "run", "rope", 3)
+    assert read_results(tmp_path / "run") == json.loads(json.dumps(results))
+    assert read_status(tmp_path / "run")["status"] == "completed"
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 21 and "val_loss" in metrics[-1]  # truncated line skipped
+    broken = dict(results)
+    del broken["train_context"]
+    with pytest.raises(ValueError, match="train_context"):
+        validate_results(broken)
+    broken = json.loads(json.dumps(results))
+    del broken["eval"][0]["bands"]
+    with pytest.raises(ValueError, match="bands"):
+        validate_results(broken)
+    with pytest.raises(ValueError):
+        write_status(tmp_path / "run", "exploded")
+
+
+def test_discover_runs(sweep: Path, tmp_path: Path) -> None:
+    ok, problems = discover_runs([sweep])
+    assert sorted((r.method, r.seed) for r in ok) == sorted((m, s) for m in METHODS for s in (0, 1))
+    reasons = {Path(p).name: r for p, r in problems}
+    assert reasons["6"] == "failed: RuntimeError: CUDA out of memory"
+    assert reasons["7"].startswith("corrupt results.json")
+    assert reasons["8"].startswith("no results.json")
+    # globs, a results.json path, a missing path; duplicates are counted once
+    ok2, problems2 = discover_runs([str(sweep / "[01]"), str(sweep / "2" / "results.json"), str(sweep / "0"),
+                                    str(tmp_path / "nowhere")])
+    assert [r.path.name for r in ok2] == ["0", "1", "2"]
+    assert problems2 == [(str(tmp_path / "nowhere"), "no such file or directory")]
+    running = tmp_path / "running"
+    running.mkdir()
+    write_status(running, "running", method="rope", seed=0)
+    assert discover_runs([running]) == ([], [(str(running), "no results.json (still running?)")])
+    write_status(running, "interrupted", error="stopped at step 7", method="rope", seed=0)
+    assert discover_runs([running])[1][0][1].startswith("interrupted: stopped at step 7")
+
+
+def test_plot_runs_writes_figures_and_tables(sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    lines: list[str] = []
+    summary = plot_runs([sweep], out, log=lines.append)
+    for name in ("train_loss", "loss_by_position", "loss_by_position_1024", "band_256_512"):
+        data = (out / f"{name}.png").read_bytes()
+        assert data.startswith(PNG) and len(data) > 1000, name
+    assert summary["methods"] == {"nope": 2, "rope": 2, "alibi": 2}  # registry order
+    assert summary["headline_band"] == "256-512"
+    assert len(summary["runs"]) == 6
+
+    with open(out / "bands.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["alibi", "rope", "nope"]  # sorted by 256-512
+    for row in rows:
+        assert row["seeds"] == "2"
+        for band, length in (("0-256", 512), ("256-512", 512), ("512-1024", 1024)):
+            mean, std = expected_stats(band, length, row["method"])
+            assert float(row[f"{band}_mean"]) == pytest.approx(mean, abs=1e-9)
+            assert float(row[f"{band}_std"]) == pytest.approx(std, abs=1e-9)
+
+    problems = {Path(p).name: r for p, r in summary["problems"]}
+    assert problems["6"].startswith("failed: RuntimeError") and problems["7"].startswith("corrupt")
+    md = (out / "bands.md").read_text()
+    assert "| alibi | 2 |" in md and "CUDA out of memory" in md and "corrupt results.json" in md
+    assert str(sweep / "6") in md and str(sweep / "7") in md
+    assert sum("skipping" in line for line in lines) == 3
+
+
+def test_svg_and_pdf(sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "vec"
+    plot_runs([str(sweep / "0"), str(sweep / "2")], out, formats=("svg", "pdf"), log=lambda _: None)
+    assert b"<svg" in (out / "train_loss.svg").read_bytes()[:2000]
+    assert (out / "band_256_512.pdf").read_bytes().startswith(b"%PDF")
+    assert not list(out.glob("*.png")) and not list(out.glob(".tmp-*"))
+    with pytest.raises(PosbenchError, match="format"):
+        plot_runs([sweep], out, formats=("bmp",))
+
+
+def test_no_valid_runs_is_an_error(sweep: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PosbenchError, match="empty"):
+        plot_runs([empty], tmp_path / "o", log=lambda _: None)
+    with pytest.raises(PosbenchError, match="results.json"):
+        plot_runs([sweep / "6", sweep / "7"], tmp_path / "o", log=lambda _: None)
+
+
+def test_plot_single_run(sweep: Path, tmp_path: Path) -> None:
+    written = plot_single_run(sweep / "0")
+    names = sorted(p.name for p in written)
+    assert names == ["loss_by_position.png", "loss_by_position_1024.png", "train_loss.png"]
+    assert all(p.parent == sweep / "0" / "figures" and p.read_bytes().startswith(PNG) for p in written)
+    running = tmp_path / "running"
+    running.mkdir()
+    (running / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": 10, "loss": 5.0}) + "\n")
+    assert [p.name for p in plot_single_run(running)] == ["train_loss.png"]
+
+
+def test_sweep_callback(sweep: Path, tmp_path: Path) -> None:
+    callback = ComparePlotsCallback()
+    callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert (sweep / "comparison" / "band_256_512.png").read_bytes().startswith(PNG)
+    assert (sweep / "comparison" / "bands.csv").stat().st_size > 0
+    summary = (sweep / "summary.md").read_text()
+    assert "Finished (6)" in summary and "Failed or missing (3)" in summary and "CUDA out of memory" in summary
+    assert failed_jobs_of_last_sweep() == 3
+
+    empty = tmp_path / "empty_sweep"
+    empty.mkdir()
+    callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(empty)}}}))
+    assert "Finished (0)" in (empty / "summary.md").read_text()
+    assert not (empty / "comparison").exists()
+    assert failed_jobs_of_last_sweep() == 0
+    callback.on_multirun_end(OmegaConf.create({}))  # no hydra node: a warning, not an exception

@@ -1,0 +1,151 @@
+"""Training end to end on generated data: run directory contents, resume, preemption, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import QUICK_TRAIN, compose_config
+from posbench.checkpoint import list_checkpoints, read_checkpoint
+from posbench.errors import PosbenchError
+from posbench.train import TrainingInterrupted, build_spec, lr_lambda, train
+
+
+def run_train(run_dir: Path, *overrides: str) -> dict:
+    return train(compose_config("train", [*QUICK_TRAIN, *overrides]), run_dir, log=lambda _: None)
+
+
+def test_train_writes_a_complete_run_directory(tmp_path):
+    results = run_train(tmp_path, "method=rope", "trainer.val_every=3")
+    for name in ("config.yaml", "metrics.jsonl", "results.json", "status.json"):
+        assert (tmp_path / name).is_file(), name
+    assert list_checkpoints(tmp_path), "final checkpoint missing"
+    assert (tmp_path / "figures" / "loss_by_position.png").is_file()
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk == json.loads(json.dumps(results))
+    assert on_disk["schema_version"] == 1 and on_disk["method"] == "rope" and on_disk["seed"] == 0
+    assert on_disk["train_context"] == 32
+    assert on_disk["train"]["steps"] == 6 and on_disk["train"]["tokens"] == 6 * 4 * 32
+    (entry,) = on_disk["eval"]
+    assert entry["split"] == "validation" and entry["length"] == 64
+    assert len(entry["loss_by_position"]) == 64
+    assert set(entry["bands"]) == {"0-32", "32-64"}
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4, 6]
+    assert {"step", "tokens", "loss", "lr", "tokens_per_second"} <= set(train_rows[0])
+    assert any("val_loss" in r for r in rows)
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "completed"
+
+
+def test_loss_decreases_on_real_structure(tmp_path):
+    results = run_train(tmp_path, "method=alibi", "trainer.max_steps=40", "trainer.lr=3e-3")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_resumed_run_reproduces_the_uninterrupted_run(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    full = run_train(straight, "method=t5", "trainer.max_steps=8")
+    with pytest.raises(TrainingInterrupted) as stopped:
+        run_train(split, "method=t5", "trainer.max_steps=8", "trainer.stop_after_steps=4")
+    assert stopped.value.exit_code != 0
+    assert json.loads((split / "status.json").read_text())["status"] == "interrupted"
+    assert [p.name for p in list_checkpoints(split)] == ["step_00000004.pt"]
+    resumed = run_train(split, "method=t5", "trainer.max_steps=8")
+    assert resumed["train"]["resumed_from_step"] == 4
+    assert resumed["train"]["final_loss"] == full["train"]["final_loss"]
+    a = read_checkpoint(list_checkpoints(straight)[-1])["model"]
+    b = read_checkpoint(list_checkpoints(split)[-1])["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    losses = lambda d: [json.loads(l).get("loss") for l in (d / "metrics.jsonl").read_text().splitlines()]
+    assert losses(straight) == losses(split)
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    with pytest.raises(TrainingInterrupted):
+        run_train(tmp_path, "method=nope", "trainer.checkpoint_every_steps=2", "trainer.stop_after_steps=4")
+    newest = list_checkpoints(tmp_path)[-1]
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated by a crash
+    messages: list[str] = []
+    cfg = compose_config("train", [*QUICK_TRAIN, "method=nope"])
+    results = train(cfg, tmp_path, log=messages.append)
+    assert results["train"]["resumed_from_step"] == 2
+    assert any("corrupt" in m or "cannot be read" in m for m in messages), messages
+    assert newest.with_suffix(".pt.corrupt").exists()
+
+
+def test_non_finite_loss_stops_the_run_with_a_clear_error(tmp_path):
+    with pytest.raises(PosbenchError, match="loss became"):
+        run_train(tmp_path, "method=rope", "trainer.lr=1e6", "trainer.grad_clip=0", "trainer.max_steps=30",
+                  "trainer.warmup_steps=0")
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.n_layers=abc", "model.n_layers must be"),
+        ("trainer.lr=-1", "trainer.lr must be positive"),
+        ("model.d_model=65", "not divisible"),
+        ("model.n_heads=3", "not divisible"),
+        ("eval.lengths=[16]", "below trainer.context"),
+        ("trainer.precision=fp8", "trainer.precision"),
+        ("+trainer.bogus=1", "unknown option"),
+    ],
+)
+def test_invalid_config_is_refused_before_any_work(override, message):
+    with pytest.raises(PosbenchError, match=message):
+        build_spec(compose_config("train", [*QUICK_TRAIN, override]))
+
+
+def test_rope_needs_an_even_head_dim():
+    with pytest.raises(PosbenchError, match="even head dimension"):
+        build_spec(compose_config("train", [*QUICK_TRAIN, "method=rope", "model.d_model=12", "model.n_heads=4"]))
+
+
+def test_learned_positions_beyond_their_maximum_are_refused():
+    with pytest.raises(PosbenchError, match="method.max_positions"):
+        build_spec(compose_config("train", [*QUICK_TRAIN, "method=learned", "method.max_positions=48"]))
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    f = lr_lambda(total_steps=100, warmup_steps=10, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    values = [f(s) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert f(100) == pytest.approx(0.1)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes(tmp_path):
+    """A real signal to a real training process (what SLURM does before preemption)."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "posbench.cli", "train", *QUICK_TRAIN, "method=alibi",
+            "trainer.max_steps=100000", "trainer.log_every=1", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    metrics = run_dir / "metrics.jsonl"
+    for line in proc.stdout:  # wait until training really runs
+        if metrics.exists() and metrics.read_text().count("\n") >= 3:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "checkpoint saved" in out
+    step = read_checkpoint(list_checkpoints(run_dir)[-1])["step"]
+    assert step >= 3
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "interrupted"
+    cfg = compose_config("train", [*QUICK_TRAIN, "method=alibi", f"trainer.max_steps={step + 2}"])
+    results = train(cfg, run_dir, log=lambda _: None)
+    assert results["train"]["resumed_from_step"] == step
