@@ -219,6 +219,8 @@ def train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None] | None = No
     dist_info = init_distributed(device.type)
     device = resolve_device(t.device, dist_info)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

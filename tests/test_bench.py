@@ -1,0 +1,275 @@
+"""posbench bench on the CPU: the structure and sanity of its output, not its speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import posbench
+from posbench import bench
+from posbench.config import config_dir
+from posbench.errors import PosbenchError
+
+SMALL_RUN = ["model=tiny", "steps=2", "warmup_steps=1", "eval_lengths=[64,128]", "eval_steps=1",
+             "batch_size=2", "context=32"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are far too small for intra-op threads; on a busy 2-core machine the thread
+    pool's contention makes each step ~40x slower. Restored afterwards for other test modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def compose_bench(*overrides: str):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("bench", overrides=list(overrides))
+
+
+def finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def rope_alibi_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cfg = compose_bench(*SMALL_RUN, "methods=[rope,alibi]", "peer=true", f"out='{out}'")
+    report = bench.run_bench(cfg)
+    return out, report
+
+
+def test_bench_json_structure_and_values(rope_alibi_run):
+    out, report = rope_alibi_run
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    for key in ("date", "device", "torch", "command", "config", "methods", "peer", "peer_ratio", "flops"):
+        assert key in saved
+    assert saved["torch"] == torch.__version__
+    assert saved["complete"] is True
+    assert saved["config"]["methods"] == ["rope", "alibi"]
+    assert list(saved["methods"]) == ["rope", "alibi"]
+    for name, entry in saved["methods"].items():
+        train = entry["train"]
+        assert train["attention_backend"] == "sdpa"
+        for key in ("step_ms_median", "step_ms_p10", "step_ms_p90", "tokens_per_second_median", "tflops",
+                    "tokens_per_second_overall"):
+            assert finite_positive(train[key]), (name, key, train[key])
+        assert train["step_ms_min"] <= train["step_ms_p10"] <= train["step_ms_median"] <= train["step_ms_p90"] <= train["step_ms_max"]
+        assert len(train["step_ms_all"]) == 2
+        assert train["tokens_per_step"] == 2 * 32
+        assert train["mfu"] is None and train["peak_memory_gb"] is None  # CPU: no peak, no CUDA memory stats
+        # random tokens through a freshly initialised model: loss close to ln(vocab)
+        assert abs(train["final_loss"] - math.log(8192)) < 1.0
+        assert set(entry["eval"]) == {"64", "128"}
+        for length, ev in entry["eval"].items():
+            assert finite_positive(ev["tokens_per_second_median"]), (name, length)
+            assert ev["tokens_per_batch"] == 8 * int(length)
+            assert abs(ev["mean_loss"] - math.log(8192)) < 1.0
+
+
+def test_bench_peer_and_flops(rope_alibi_run):
+    _, report = rope_alibi_run
+    peer = report["peer"]
+    assert "skipped" not in peer, peer
+    assert finite_positive(peer["train"]["tokens_per_second_median"])
+    # the peer is the same shape: the same matmul weights, hence the same FLOPs per token
+    assert peer["matmul_parameters"] == report["methods"]["rope"]["matmul_parameters"] == report["flops"]["matmul_parameters"]
+    expected = report["methods"]["rope"]["train"]["tokens_per_second_median"] / peer["train"]["tokens_per_second_median"]
+    assert report["peer_ratio"] == pytest.approx(expected)
+
+
+def test_bench_markdown(rope_alibi_run, capsys):
+    out, report = rope_alibi_run
+    text = (out / "bench.md").read_text()
+    assert text == bench.render_markdown(report)
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| method | attention |") and "% of rope" in rows[0]
+    assert "eval tok/s @64" in rows[0] and "eval tok/s @128" in rows[0]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["rope", "alibi"]
+    assert "| 100% |" in rows[1]
+    assert f"posbench rope / peer tokens/s = {report['peer_ratio']:.2f}" in text
+    assert "6*N + 12*L*T*d" in text
+
+
+def test_flop_formula_counts_linear_weights():
+    model = posbench.create_model("rope", flavour="tiny")
+    d, L, V, h = 64, 2, 8192, model.cfg.hidden_size
+    n = L * (4 * d * d + 3 * d * h) + d * V  # qkv + out, gate/up/down, LM head; no embedding
+    assert bench.matmul_parameters(model) == n
+    assert bench.train_flops_per_token(n, L, 256, d) == 6 * n + 12 * L * 256 * d
+
+
+def test_peak_table(monkeypatch):
+    cpu = torch.device("cpu")
+    assert bench.resolve_peak_tflops("auto", cpu)[0] is None
+    assert bench.resolve_peak_tflops(None, cpu)[0] is None
+    assert bench.resolve_peak_tflops(400.0, cpu)[0] == 400.0
+    for name, peak in [("NVIDIA H200", 989.4), ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.5),
+                       ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert bench.resolve_peak_tflops("auto", torch.device("cuda"))[0] == peak, name
+
+
+def test_default_config_composes():
+    settings, model = bench.settings_from_config(compose_bench())
+    assert settings.methods == posbench.list_methods()
+    assert (settings.batch_size, settings.context, settings.warmup_steps, settings.steps) == (64, 256, 5, 30)
+    assert settings.eval_lengths == [512, 1024, 2048]
+    assert settings.peer is True and settings.compile == "auto" and settings.peak_tflops == "auto"
+    assert model.flavour == "small" and model.vocab_size == 8192
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("methods=[rope,nosuch]", "unknown position method 'nosuch'"),
+        ("methods=[]", "methods must be all or a non-empty list"),
+        ("batch_size=0", "batch_size must be a positive integer"),
+        ("context=-4", "context must be a positive integer"),
+        ("steps=0", "steps must be a positive integer"),
+        ("warmup_steps=-1", "warmup_steps must be an integer >= 0"),
+        ("eval_lengths=[512,0]", "eval_lengths entries must be a positive integer"),
+        ("compile=maybe", "compile must be auto, true or false"),
+        ("precision=fp16", "precision must be auto, fp32 or bf16"),
+        ("peak_tflops=-3", "peak_tflops must be auto, null or a positive number"),
+        ("device=tpu", "device must be auto, cpu, cuda or cuda:N"),
+        ("context=8192", "method learned supports positions up to 4096"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(override, words):
+    with pytest.raises(PosbenchError) as info:
+        bench.settings_from_config(compose_bench("model=tiny", override))
+    assert words in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_method_fails_before_any_work(tmp_path):
+    with pytest.raises(PosbenchError, match="unknown position method 'nosuch'"):
+        bench.run_bench(compose_bench(*SMALL_RUN, "methods=[nosuch]", f"out='{tmp_path}'"))
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_eval_oom_and_unsupported_lengths_are_recorded(monkeypatch):
+    settings, model_cfg = bench.settings_from_config(compose_bench(*SMALL_RUN, "eval_lengths=[64,128,256]"))
+    env = bench.Env(settings, model_cfg, None, torch.device("cpu"), None, False, None)
+
+    def fake(env, model, length):
+        if length == 128:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"tokens_per_second_median": 1.0}
+
+    monkeypatch.setattr(bench, "time_eval_length", fake)
+    result = bench.bench_eval(env, model=None, max_positions=200)
+    assert result == {"64": {"tokens_per_second_median": 1.0}, "128": "oom",
+                      "256": "unsupported: positions up to 200"}
+
+
+def test_a_failing_method_keeps_the_others(tmp_path, monkeypatch):
+    real = bench.bench_method
+
+    def flaky(env, name):
+        if name == "alibi":
+            raise RuntimeError("kernel exploded")
+        return real(env, name)
+
+    monkeypatch.setattr(bench, "bench_method", flaky)
+    cfg = compose_bench("model=tiny", "steps=1", "warmup_steps=0", "eval_lengths=[32]", "eval_steps=1",
+                        "batch_size=2", "context=16", "methods=[alibi,nope]", "peer=false", f"out='{tmp_path}'")
+    with pytest.raises(PosbenchError, match="alibi .*kernel exploded"):
+        bench.run_bench(cfg)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["methods"]["alibi"]["train"]["error"] == "RuntimeError: kernel exploded"
+    assert finite_positive(saved["methods"]["nope"]["train"]["tokens_per_second_median"])
+    assert saved["peer"] is None and saved["peer_ratio"] is None
+    md = (tmp_path / "bench.md").read_text()
+    assert "| alibi | sdpa | RuntimeError |" in md and "| nope |" in md and "peer=false" in md
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    # cwd=tmp_path: Hydra creates its run dir (outputs/bench/...) relative to the working directory
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "posbench.cli", "bench", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(tmp_path, "model=tiny", "methods=[nope]", "steps=1", "warmup_steps=1", "eval_lengths=[64]",
+                   "eval_steps=1", "batch_size=2", "context=32", "peer=false", f"out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((out / "bench.json").read_text())
+    assert list(saved["methods"]) == ["nope"]
+    assert saved["command"].startswith("posbench bench ") and "methods=[nope]" in saved["command"]
+    assert finite_positive(saved["methods"]["nope"]["eval"]["64"]["tokens_per_second_median"])
+    assert "| nope |" in proc.stdout  # the table is printed too
+
+
+def test_cli_bad_method_is_one_line(tmp_path):
+    proc = run_cli(tmp_path, "model=tiny", "methods=[nosuch]")
+    assert proc.returncode == 2
+    assert "posbench bench: error: unknown position method 'nosuch'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cuda_event_timing_bookkeeping(monkeypatch):
+    """The CUDA branch of time_steps with fake events on a fake GPU clock: step i is the time
+    between events i and i+1, and the host synchronises only before and after the loop."""
+    clock = {"ms": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.t = None
+
+        def record(self) -> None:
+            self.t = clock["ms"]
+
+        def elapsed_time(self, end: "FakeEvent") -> float:
+            assert self.t is not None and end.t is not None, "an event was read before being recorded"
+            return end.t - self.t
+
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    seen = []
+
+    def step(i):
+        seen.append(i)
+        clock["ms"] += 10.0 * i  # step i takes 10*i "GPU" milliseconds
+        return i
+
+    ms, wall, last = bench.time_steps(step, 3, torch.device("cuda", 0), offset=3)
+    assert seen == [3, 4, 5] and last == 5
+    assert ms == [30.0, 40.0, 50.0]
+    assert len(syncs) == 2 and wall >= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_on_cuda(tmp_path):
+    """The CUDA path end to end: compile, bf16, events, memory stats, flex (alibi), the peer."""
+    cfg = compose_bench("model=tiny", "methods=[rope,alibi]", "steps=3", "warmup_steps=2", "eval_lengths=[256,512]",
+                        "eval_steps=2", "batch_size=8", "context=128", "peer=true", "peak_tflops=100",
+                        f"out='{tmp_path}'")
+    report = bench.run_bench(cfg)
+    assert report["device_type"] == "cuda" and report["compiled"] and report["autocast"] == "bfloat16"
+    assert report["methods"]["alibi"]["train"]["attention_backend"] == "flex"
+    for entry in report["methods"].values():
+        train = entry["train"]
+        assert finite_positive(train["step_ms_median"]) and finite_positive(train["peak_memory_gb"])
+        assert 0 < train["mfu"] < 1
+        for ev in entry["eval"].values():
+            assert finite_positive(ev["tokens_per_second_median"]) and finite_positive(ev["peak_memory_gb"])
+    assert "skipped" not in report["peer"], report["peer"]
+    assert finite_positive(report["peer_ratio"])
