@@ -118,14 +118,28 @@ def build_spec(cfg: DictConfig) -> RunSpec:
 
 
 def resolve_device(name: str, dist_info: DistInfo | None = None) -> torch.device:
+    """``auto`` -> cuda when available. With several GPUs, torchrun ranks use their local rank,
+    and the jobs of a local sweep (joblib launcher) spread over the GPUs by job number."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "cuda" and torch.cuda.device_count() > 1 and not (dist_info and dist_info.enabled):
+            return torch.device("cuda", sweep_job_number() % torch.cuda.device_count())
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise PosbenchError(f"trainer.device={name} but CUDA is not available; use trainer.device=cpu")
         if dist_info is not None and dist_info.enabled:
             return torch.device("cuda", dist_info.local_rank)
     return torch.device(name)
+
+
+def sweep_job_number() -> int:
+    """This job's number in a Hydra multirun (0 outside one)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return int(HydraConfig.get().job.num or 0)
+    except (ValueError, ImportError, TypeError):
+        return 0
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -206,13 +220,32 @@ def resolve_run_dir(t: TrainerConfig, run_dir: Path) -> tuple[Path, bool]:
 
 
 def train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Train, evaluate and write a complete run directory; returns the results dict."""
+    """Train, evaluate and write a complete run directory; returns the results dict.
+
+    Whatever goes wrong (a bad config value included) is recorded in the run's status.json, so
+    a sweep's summary can name the failed jobs and why.
+    """
+    from posbench.results import read_status, write_status
+
+    try:
+        return _train(cfg, Path(run_dir), log or logger.info)
+    except TrainingInterrupted:
+        raise
+    except BaseException as err:
+        if os.environ.get("RANK", "0") == "0" and Path(run_dir).is_dir():
+            status = read_status(run_dir) or {}
+            if status.get("status") != "failed":  # keep the first, most specific record
+                method = cfg.get("method", {}).get("name") if isinstance(cfg.get("method"), DictConfig) else None
+                write_status(run_dir, "failed", method=method, seed=cfg.get("seed"), error=one_line(err))
+        raise
+
+
+def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
     from posbench.data import prepare_data
     from posbench.data.loader import TrainBatches, eval_sequences
     from posbench.loggers import make_logger
     from posbench.results import write_results, write_status
 
-    log = log or logger.info
     spec = build_spec(cfg)
     t = spec.trainer
     device = resolve_device(t.device)

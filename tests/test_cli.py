@@ -1,0 +1,190 @@
+"""The `posbench` command end to end, as users run it: subprocesses, real Hydra, real sweeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICK_TRAIN
+
+import posbench
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+
+
+def posbench_cli(*args: str, cwd: Path | None = None, check: bool = True, timeout: int = 600):
+    proc = subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def results_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_help_lists_every_subcommand():
+    out = posbench_cli("--help").stdout
+    for command in ("prepare", "train", "eval", "plot", "bench"):
+        assert f"  {command} " in out
+
+
+def test_hydra_features_work_per_subcommand():
+    composed = posbench_cli("train", "--cfg", "job", "method=alibi", "model=tiny").stdout
+    assert "name: alibi" in composed and "d_model: 64" in composed
+    help_text = posbench_cli("train", "--help").stdout
+    assert "method: alibi, learned, nope, relative, rope, sinusoidal, t5" in help_text
+
+
+def test_unknown_command_fails_with_the_list_of_commands():
+    proc = posbench_cli("fit", check=False)
+    assert proc.returncode == 2 and "prepare, train, eval, plot, bench" in proc.stderr
+
+
+def test_unknown_method_fails_before_any_work(tmp_path):
+    proc = posbench_cli("train", "method=yarn", f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode != 0
+    assert "method/yarn" in proc.stderr and "rope" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.n_layers=abc"], "model.n_layers must be an integer, got 'abc'"),
+        (["trainer.lr=-0.1"], "trainer.lr must be positive"),
+        (["data=local", "data.path=/no/such/dir"], "/no/such/dir"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(tmp_path, overrides, message):
+    proc = posbench_cli("train", *QUICK_TRAIN, *overrides, f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("posbench train: error")]
+    assert len(error_lines) == 1
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    proc = posbench_cli("train", *QUICK_TRAIN, "model.n_layers=abc", "debug=true",
+                        f"hydra.run.dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr + proc.stdout
+
+
+def test_train_eval_plot_round_trip(tmp_path):
+    run = tmp_path / "run"
+    posbench_cli("train", *QUICK_TRAIN, "method=alibi", f"hydra.run.dir={run}")
+    first = results_of(run)
+    assert [e["length"] for e in first["eval"]] == [64]
+
+    posbench_cli("eval", f"run={run}", "eval.lengths=[64,128]", "eval.num_sequences=4", "eval.batch_size=2")
+    again = results_of(run)
+    assert [e["length"] for e in again["eval"]] == [64, 128]
+    assert again["eval"][0]["loss_by_position"] == pytest.approx(first["eval"][0]["loss_by_position"])
+    assert set(again["eval"][1]["bands"]) == {"0-32", "32-64", "64-128"}
+    assert again["train"] == first["train"]
+
+    other = tmp_path / "other.txt"
+    other.write_text("\n<|endoftext|>\n".join(["Once upon a time a cat sat on a big red mat. " * 12] * 6) + "\n")
+    posbench_cli("eval", f"run={run}", f"data.path={other}", "eval.lengths=[64]", "eval.num_sequences=2")
+    elsewhere = json.loads((run / "eval_other.txt.json").read_text())
+    assert elsewhere["eval"][0]["data"] == str(other)
+    assert results_of(run) == again  # other text never rewrites the run's own results
+
+    out = tmp_path / "figs"
+    posbench_cli("plot", f"runs=[{run}]", f"out={out}", "formats=[png,svg]")
+    for name in ("train_loss.png", "loss_by_position.png", "band_32_64.png", "bands.md", "bands.csv",
+                 "loss_by_position.svg"):
+        assert (out / name).stat().st_size > 0, name
+
+
+def test_eval_and_plot_refuse_a_directory_without_runs(tmp_path):
+    proc = posbench_cli("eval", f"run={tmp_path}", check=False)
+    assert proc.returncode == 2 and "no checkpoints" in proc.stderr
+    proc = posbench_cli("plot", f"runs=[{tmp_path}]", f"out={tmp_path / 'out'}", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_multirun_over_all_methods_writes_comparison(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=glob(*)", f"hydra.sweep.dir={sweep}")
+    jobs = sorted(p for p in sweep.iterdir() if (p / "results.json").exists())
+    assert {results_of(j)["method"] for j in jobs} == set(posbench.list_methods())
+    assert all(j.name.split("_", 1)[1] == f"{results_of(j)['method']}-s0" for j in jobs)
+    table = (sweep / "comparison" / "bands.md").read_text()
+    for method in posbench.list_methods():
+        assert f"| {method} " in table
+    assert (sweep / "comparison" / "loss_by_position.png").stat().st_size > 0
+    assert "7" in (sweep / "summary.md").read_text()
+    # The same figures can be rebuilt later from the saved results alone.
+    rebuilt = tmp_path / "rebuilt"
+    posbench_cli("plot", f"runs=[{sweep}]", f"out={rebuilt}")
+    assert (rebuilt / "bands.csv").read_text() == (sweep / "comparison" / "bands.csv").read_text()
+    assert proc.returncode == 0
+
+
+def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
+    sweep = tmp_path / "sweep"
+    posbench_cli("train", "-m", *QUICK_TRAIN, "method=rope,alibi", "seed=0,1", "hydra/launcher=joblib",
+                 "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}")
+    runs = [results_of(p) for p in sweep.iterdir() if (p / "results.json").exists()]
+    assert sorted((r["method"], r["seed"]) for r in runs) == [("alibi", 0), ("alibi", 1), ("rope", 0), ("rope", 1)]
+    assert "| alibi | 2 |" in (sweep / "comparison" / "bands.md").read_text()
+
+
+def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=rope", "trainer.grad_clip=0",
+                        "trainer.warmup_steps=0", "trainer.max_steps=30", "trainer.lr=1e-3,1e6",
+                        f"hydra.sweep.dir={sweep}", check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    statuses = {p.name: json.loads((p / "status.json").read_text()) for p in sweep.iterdir() if (p / "status.json").exists()}
+    assert sorted(s["status"] for s in statuses.values()) == ["completed", "failed"]
+    failed = next(s for s in statuses.values() if s["status"] == "failed")
+    assert "loss became" in failed["error"]
+    summary = (sweep / "summary.md").read_text()
+    assert "loss became" in summary
+    assert (sweep / "comparison" / "bands.md").exists()
+
+
+def test_submitit_local_launcher_runs_a_tiny_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    posbench_cli("train", "-m", *QUICK_TRAIN, "method=nope,t5", "hydra/launcher=submitit_local",
+                 "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}")
+    methods = sorted(results_of(p)["method"] for p in sweep.iterdir() if (p / "results.json").exists())
+    assert methods == ["nope", "t5"]
+
+
+def test_torchrun_two_processes_match_one_process(tmp_path):
+    """DDP on 2 CPU processes (gloo) with the same global batch follows the 1-process loss curve."""
+    common = [*QUICK_TRAIN, "method=rope", "trainer.max_steps=6", "trainer.log_every=1"]
+    single, double = tmp_path / "single", tmp_path / "ddp"
+    posbench_cli("train", *common, f"hydra.run.dir={single}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+         "-m", "posbench.cli", "train", *common, f"hydra.run.dir={double}"],
+        capture_output=True, text=True, env=ENV, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = lambda d: [json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    assert len(losses(double)) == 6
+    assert losses(double) == pytest.approx(losses(single), rel=1e-4, abs=1e-5)
+    assert results_of(double)["train"]["world_size"] == 2
+
+
+def test_shared_tinystories_train_and_eval(tmp_path, shared_data):
+    run = tmp_path / "run"
+    posbench_cli("train", *QUICK_TRAIN, "data=local", f"data.path={shared_data / 'tinystories'}",
+                 "data.max_train_stories=2000", "eval.lengths=[512]", "trainer.context=256", "trainer.max_steps=4",
+                 "method=sinusoidal", f"hydra.run.dir={run}")
+    results = results_of(run)
+    entry = results["eval"][0]
+    assert entry["length"] == 512 and len(entry["loss_by_position"]) == 512
+    assert set(entry["bands"]) == {"0-256", "256-512"}
+    assert results["data"]["meta"]["source"]
