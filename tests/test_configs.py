@@ -1,0 +1,66 @@
+"""Every shipped config file composes, and composes into a valid run spec."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import compose_config
+from posbench.config import config_dir, config_names
+from posbench.methods import list_methods, method_options
+from posbench.train import build_spec
+
+PRIMARY = ["train", "prepare", "eval", "plot", "bench"]
+TRAIN_GROUPS = ["method", "model", "data", "trainer", "eval", "logger", "experiment"]
+
+
+def test_every_yaml_file_is_covered_by_these_tests():
+    shipped = {p.relative_to(config_dir()).as_posix() for p in config_dir().rglob("*.yaml")}
+    covered = {f"{name}.yaml" for name in PRIMARY}
+    covered |= {f"{g}/{n}.yaml" for g in TRAIN_GROUPS for n in config_names(g)}
+    covered |= {f"hydra/launcher/{n}.yaml" for n in config_names("hydra/launcher")}
+    assert shipped == covered
+
+
+@pytest.mark.parametrize("name", PRIMARY)
+def test_primary_configs_compose(name):
+    cfg = compose_config(name, [])
+    assert OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("group, option", [(g, n) for g in TRAIN_GROUPS for n in config_names(g)])
+def test_every_group_option_composes_into_a_valid_spec(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "data" and option == "local":
+        overrides.append("data.path=some/dir")  # local data needs a path; existence is checked later
+    cfg = compose_config("train", overrides)
+    spec = build_spec(cfg)
+    assert spec.method in list_methods()
+
+
+def test_method_configs_match_the_methods_options():
+    assert sorted(config_names("method")) == sorted(list_methods())
+    for name in list_methods():
+        values = OmegaConf.to_container(OmegaConf.load(config_dir() / "method" / f"{name}.yaml"))
+        assert values.pop("name") == name
+        assert values == method_options(name), name
+
+
+def test_experiment_presets_set_what_they_promise():
+    seed = compose_config("train", ["experiment=seed003"])
+    assert (seed.model.d_model, seed.model.n_layers, seed.model.n_heads) == (384, 6, 6)
+    assert seed.trainer.context == 256 and seed.data.source == "hub" and seed.eval.lengths == [512]
+    quick = compose_config("train", ["experiment=cpu_quick"])
+    assert quick.data.source == "local" and quick.trainer.device == "cpu" and quick.logger.name == "none"
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local", "slurm"])
+def test_launchers_compose(launcher):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    target = cfg.hydra.launcher._target_
+    assert launcher.split("_")[0] in target.lower() or (launcher == "slurm" and "Slurm" in target)
+    if launcher == "slurm":
+        assert cfg.hydra.launcher.gpus_per_node == 1
