@@ -62,16 +62,24 @@ def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
 
 
 def load_latest_checkpoint(
-    run_dir: Path, log: Callable[[str], None] = print, map_location: str | torch.device = "cpu"
+    run_dir: Path, log: Callable[[str], None] = print, map_location: str | torch.device = "cpu",
+    quarantine: bool = True,
 ) -> dict[str, Any] | None:
-    """Newest loadable checkpoint of a run (None when there is none), skipping damaged ones."""
+    """Newest loadable checkpoint of a run (None when there is none), skipping damaged ones.
+
+    ``quarantine``: rename damaged files to ``*.corrupt`` (only one process of a distributed
+    run should, the others just skip them).
+    """
     for path in reversed(list_checkpoints(run_dir)):
         try:
             return read_checkpoint(path, map_location) | {"path": str(path)}
         except ValueError as err:
-            quarantined = path.with_suffix(".pt.corrupt")
-            path.rename(quarantined)
-            log(f"checkpoint {path} {err}; moved it to {quarantined.name} and trying the previous one")
+            if quarantine and path.exists():
+                quarantined = path.with_suffix(".pt.corrupt")
+                path.rename(quarantined)
+                log(f"checkpoint {path} {err}; moved it to {quarantined.name} and trying the previous one")
+            else:
+                log(f"checkpoint {path} {err}; trying the previous one")
     return None
 
 

@@ -92,7 +92,8 @@ def usage() -> str:
         "  posbench train method=rope\n"
         "  posbench train -m method=nope,learned,sinusoidal,rope,alibi,t5,relative seed=0,1,2\n"
         "  posbench eval run=outputs/default/<date>/<time>_rope-s0 eval.lengths=[512,1024,2048]\n"
-        "  posbench plot runs=multirun/default/<date>/<time> out=figures\n"
+        "  posbench plot runs=outputs/default/sweeps/<date>_<time> out=figures\n"
+        "Shell completion: eval \"$(posbench --shell-completion install=bash)\"\n"
     )
 
 
@@ -137,8 +138,34 @@ def _task(command: str) -> Callable[[DictConfig], Any]:
     return task
 
 
+def shell_completion(argv: list[str]) -> None:
+    """``posbench --shell-completion install=bash`` and the queries the installed script makes.
+
+    Hydra completes one app; posbench has one app per subcommand, so the query is routed to the
+    subcommand named on the line being completed (or the subcommand names are offered).
+    """
+    mode = argv[1] if len(argv) > 1 else ""
+    if not mode.startswith("query="):
+        sys.argv = ["posbench", *argv]  # Hydra names the completed program after argv[0]
+        hydra.main(config_path=CONFIG_PATH, config_name="train", version_base="1.3")(lambda cfg: None)()
+        return
+    words = os.environ.get("COMP_LINE", "").split()
+    if len(words) < 2 or (len(words) == 2 and not os.environ.get("COMP_LINE", "").endswith(" ")):
+        prefix = words[1] if len(words) == 2 else ""
+        print(" ".join(name for name in COMMANDS if name.startswith(prefix)))
+        return
+    command = words[1]
+    if command not in COMMANDS:
+        return
+    os.environ["COMP_LINE"] = os.environ["COMP_LINE"].replace(command, "", 1)
+    sys.argv = ["posbench", *argv]
+    hydra.main(config_path=CONFIG_PATH, config_name=command, version_base="1.3")(lambda cfg: None)()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-sc", "--shell-completion"):
+        return shell_completion(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         raise SystemExit(0 if argv else 2)

@@ -250,7 +250,7 @@ def _problem_reason(run_dir: Path) -> str:
     if state == "failed":
         return f"failed: {status.get('error') or 'no error message recorded'}"
     if state == "interrupted":
-        return f"interrupted: {status.get('error') or 'stopped early'} (rerun the same command to resume)"
+        return f"interrupted: {status.get('error') or 'stopped early'} (resume with trainer.resume=<this run dir>)"
     if state == "completed":
         return "status says completed but results.json is missing"
     return "no results.json (still running?)"

@@ -58,6 +58,8 @@ def _coerce(section: str, name: str, annotation: Any, value: Any) -> Any:
             raise bad("a number")
         value = float(value)
     elif base == "str":
+        if isinstance(value, bool):  # YAML reads `compile: true` / `resume: false` as booleans
+            value = str(value).lower()
         if not isinstance(value, str):
             raise bad("a string")
     elif base.startswith("list"):

@@ -11,6 +11,7 @@ save a checkpoint at the next step boundary and exit non-zero; the next start re
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -132,6 +133,21 @@ def resolve_device(name: str, dist_info: DistInfo | None = None) -> torch.device
     return torch.device(name)
 
 
+def wandb_group(experiment: str) -> str:
+    """Runs of one sweep share a W&B group (experiment + sweep folder); single runs group by
+    experiment."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return f"{experiment}/{Path(hydra_cfg.sweep.dir).name}"
+    except ValueError:
+        pass
+    return experiment
+
+
 def sweep_job_number() -> int:
     """This job's number in a Hydra multirun (0 outside one)."""
     try:
@@ -193,6 +209,25 @@ class StopRequest:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def hand_over(self) -> None:
+        """After our checkpoint, let the previous SIGUSR1 handler run: under Hydra's submitit
+        launcher that is submitit's, which requeues the SLURM job (and the job resumes)."""
+        previous = self._previous.get(signal.SIGUSR1)
+        if self.signum == signal.SIGUSR1 and callable(previous):
+            previous(self.signum, None)
+
+
+def same_on_all_ranks(path: Path, info: DistInfo) -> Path:
+    """Rank 0's run directory for every rank: ranks started in different seconds would
+    otherwise resolve Hydra's timestamped directory differently."""
+    if not info.enabled:
+        return path
+    import torch.distributed as dist
+
+    box = [str(path)]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
 
 
 def threading_main() -> bool:
@@ -260,7 +295,9 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
     elif dist_info.is_main and cfg.model.get("flavour") not in ("tiny", "mini") and t.max_steps is None:
         log("warning: training on the CPU; the full setup takes very long there. "
             "For a quick CPU run use experiment=cpu_quick")
-    run_dir, resuming = resolve_run_dir(t, Path(run_dir))
+    run_dir = same_on_all_ranks(Path(run_dir), dist_info)
+    run_dir, resuming = resolve_run_dir(t, run_dir)
+    was_complete = resuming and already_complete(run_dir)  # read before "running" overwrites it
     is_main = dist_info.is_main
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -304,9 +341,9 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
         optimizer, lr_lambda(total_steps, t.warmup_steps, t.min_lr_ratio)
     )
 
-    start_step, elapsed_before = 0, 0.0
+    start_step, elapsed_before, loss_value = 0, 0.0, float("nan")
     if resuming:
-        state = load_latest_checkpoint(run_dir, log=log, map_location=device)
+        state = load_latest_checkpoint(run_dir, log=log, map_location=device, quarantine=is_main)
         if state is None:
             log(f"no usable checkpoint in {run_dir}; starting from scratch")
         else:
@@ -320,6 +357,13 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
             scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
             start_step, elapsed_before = state["step"], state.get("elapsed_seconds", 0.0)
+            loss_value = state.get("last_loss", float("nan"))
+            if start_step >= total_steps and was_complete:
+                log(f"{run_dir} is already complete; nothing to do (its results.json is unchanged)")
+                if is_main:
+                    write_status(run_dir, "completed", method=spec.method, seed=spec.seed)
+                shutdown(dist_info)
+                return json.loads((run_dir / "results.json").read_text())
             log(f"resuming {run_dir} from step {start_step} ({state['path']})")
     if is_main:
         truncate_metrics(run_dir / "metrics.jsonl", start_step)
@@ -338,7 +382,7 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
         return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
 
     val_seqs = eval_sequences(prepared.valid_tokens(), t.context, t.val_sequences) if is_main else None
-    group = str(cfg.get("experiment_name", "default"))
+    group = wandb_group(str(cfg.get("experiment_name", "default")))
     run_logger = make_logger(
         cfg.logger, run_dir=run_dir, run_name=spec.run_name, group=group,
         tags=[spec.method, f"model-{spec.model.flavour}"],
@@ -348,6 +392,7 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
     def checkpoint_state(step: int, elapsed: float) -> dict[str, Any]:
         return {
             "step": step, "tokens": step * tokens_per_step, "elapsed_seconds": elapsed,
+            "last_loss": loss_value,
             "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "rng": rng_state(),
             "config": OmegaConf.to_container(cfg, resolve=True), "method": spec.method,
@@ -366,7 +411,6 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
     start_time = time.perf_counter()
     last_ckpt_time = start_time
     window_start, window_tokens = time.perf_counter(), 0
-    loss_value = float("nan")
     step = start_step
     try:
         with StopRequest() as stop:
@@ -432,9 +476,11 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
                     if is_main:
                         write_status(run_dir, "interrupted", method=spec.method, seed=spec.seed,
                                      error=f"stopped at step {step}", step=step)
+                    if is_main:
+                        stop.hand_over()
                     raise TrainingInterrupted(
                         f"stopped at step {step}/{total_steps}; checkpoint saved in {run_dir / 'checkpoints'}; "
-                        "run the same command again (or trainer.resume=<run dir>) to continue",
+                        f"continue with the same command plus trainer.resume={run_dir}",
                         exit_code=128 + int(signum),
                     )
             wall = elapsed_before + time.perf_counter() - start_time
@@ -457,7 +503,8 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
         results["train"] = {
             "tokens": train_tokens, "steps": total_steps, "final_loss": loss_value,
             "final_val_loss": val_loss, "epochs": train_tokens / max(1, batches.steps_per_epoch * tokens_per_step),
-            "tokens_per_second": (total_steps - start_step) * tokens_per_step / max(time.perf_counter() - start_time, 1e-9),
+            # Over the whole run (all resumed segments): training tokens / training wall time.
+            "tokens_per_second": train_tokens / max(wall, 1e-9),
             "wall_seconds": wall, "device": device.type, "world_size": dist_info.world_size,
             "resumed_from_step": start_step or None,
         }
@@ -473,7 +520,8 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
         run_logger.summary({"train/final_loss": loss_value, "train/tokens_per_second": results["train"]["tokens_per_second"]})
         run_logger.log_figures(figures)
         write_status(run_dir, "completed", method=spec.method, seed=spec.seed)
-        log(f"done: {run_dir / 'results.json'}; 256-512 loss {headline(results):.4f}")
+        band = f"{t.context}-{2 * t.context}"
+        log(f"done: {run_dir / 'results.json'}; {band} loss {headline(results, band):.4f}")
     run_logger.finish(exit_code=0)
     shutdown(dist_info)
     return results
@@ -558,11 +606,18 @@ def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:
         return []
 
 
-def headline(results: dict[str, Any]) -> float:
+def headline(results: dict[str, Any], band: str = "256-512") -> float:
     for entry in results.get("eval", []):
-        if "256-512" in entry.get("bands", {}):
-            return float(entry["bands"]["256-512"])
+        if band in entry.get("bands", {}):
+            return float(entry["bands"][band])
     return float("nan")
+
+
+def already_complete(run_dir: Path) -> bool:
+    from posbench.results import read_status
+
+    status = read_status(run_dir) or {}
+    return status.get("status") == "completed" and (run_dir / "results.json").is_file()
 
 
 def versions() -> dict[str, str]:

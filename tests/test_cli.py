@@ -188,3 +188,25 @@ def test_shared_tinystories_train_and_eval(tmp_path, shared_data):
     assert entry["length"] == 512 and len(entry["loss_by_position"]) == 512
     assert set(entry["bands"]) == {"0-256", "256-512"}
     assert results["data"]["meta"]["source"]
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [("posbench tr", "train"), ("posbench train method=r", "method=relative method=rope"),
+     ("posbench eval eval.spl", "eval.split=")],
+)
+def test_shell_completion_routes_to_the_subcommand(line, expected):
+    proc = subprocess.run([sys.executable, "-m", "posbench.cli", "-sc", "query=bash"], capture_output=True,
+                          text=True, env={**ENV, "COMP_LINE": line}, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr
+
+
+def test_results_files_are_readable_by_others(tmp_path):
+    from posbench.io import write_json_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644

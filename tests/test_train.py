@@ -149,3 +149,36 @@ def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes(tmp_path):
     cfg = compose_config("train", [*QUICK_TRAIN, "method=alibi", f"trainer.max_steps={step + 2}"])
     results = train(cfg, run_dir, log=lambda _: None)
     assert results["train"]["resumed_from_step"] == step
+
+
+def test_resume_from_an_explicit_run_directory(tmp_path):
+    original, elsewhere = tmp_path / "original", tmp_path / "new-invocation"
+    with pytest.raises(TrainingInterrupted):
+        run_train(original, "method=sinusoidal", "trainer.stop_after_steps=3")
+    elsewhere.mkdir()
+    results = run_train(elsewhere, "method=sinusoidal", f"trainer.resume={original}", "trainer.compile=false")
+    assert results["train"]["resumed_from_step"] == 3
+    assert (original / "results.json").exists() and not (elsewhere / "results.json").exists()
+
+
+def test_resume_false_refuses_to_overwrite_a_run(tmp_path):
+    run_train(tmp_path, "method=nope")
+    with pytest.raises(PosbenchError, match="already has checkpoints"):
+        run_train(tmp_path, "method=nope", "trainer.resume=false")
+
+
+def test_resuming_another_methods_run_is_refused(tmp_path):
+    with pytest.raises(TrainingInterrupted):
+        run_train(tmp_path, "method=rope", "trainer.stop_after_steps=2")
+    with pytest.raises(PosbenchError, match="method=rope, not method=alibi"):
+        run_train(tmp_path, "method=alibi")
+
+
+def test_relaunching_a_finished_run_leaves_its_results_alone(tmp_path):
+    first = run_train(tmp_path, "method=alibi")
+    before = (tmp_path / "results.json").read_text()
+    metrics_before = (tmp_path / "metrics.jsonl").read_text()
+    again = run_train(tmp_path, "method=alibi")
+    assert again == json.loads(json.dumps(first))
+    assert (tmp_path / "results.json").read_text() == before
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics_before
