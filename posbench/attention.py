@@ -45,20 +45,23 @@ def causal_mask(length: int, device: torch.device) -> Tensor:
     return idx[:, None] >= idx[None, :]  # (T, T), True where key j <= query i
 
 
-def eager_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None) -> Tensor:
-    """Reference: softmax(q k^T / sqrt(D) + score) v in fp32. q, k, v: (B, H, T, D)."""
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None) -> Tensor:
+    """Reference: softmax(q k^T / sqrt(D) + score) v in fp32, also under autocast. (B, H, T, D)."""
     B, H, T, D = q.shape
-    logits = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * D**-0.5  # (B, H, T, T)
-    if score is not None:
-        logits = logits + dense_score(score, B, H, T, q.device).float()
-    logits = logits.masked_fill(~causal_mask(T, q.device), float("-inf"))
-    return torch.einsum("bhij,bhjd->bhid", logits.softmax(dim=-1), v.float()).to(v.dtype)
+    with torch.autocast(q.device.type, enabled=False):
+        logits = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * D**-0.5  # (B, H, T, T)
+        if score is not None:
+            logits = logits + dense_score(score, B, H, T, q.device).float()
+        logits = logits.masked_fill(~causal_mask(T, q.device), float("-inf"))
+        return torch.einsum("bhij,bhjd->bhid", logits.softmax(dim=-1), v.float()).to(v.dtype)
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None) -> Tensor:
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None) -> Tensor:
     if score is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     B, H, T, _ = q.shape
+    # SDPA wants the mask in q's dtype: under bf16 the bias is rounded (flex keeps it fp32,
+    # which is one reason auto picks flex on CUDA for score-term methods).
     mask = dense_score(score, B, H, T, q.device).to(q.dtype)  # (B|1, H, T, T)
     mask = mask.masked_fill(~causal_mask(T, q.device), float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -76,12 +79,20 @@ def causal_block_mask(length: int, device: str):
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
+    # Evaluation meets several lengths and partial last batches; each shape is one compile.
+    # The default limit (8) would silently drop to the slow O(T^2) eager path past it.
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None) -> Tensor:
+def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None) -> Tensor:
     T = q.shape[-2]
-    block_mask = causal_block_mask(T, str(q.device))
+    if block_mask is None:
+        block_mask = causal_block_mask(T, str(q.device))
     score_mod = None
     if score is not None:
 
@@ -98,6 +109,11 @@ def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | Non
 _IMPLEMENTATIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_backend}
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, backend: str) -> Tensor:
-    """Causal attention with an optional additive score term. (B, H, T, D) -> (B, H, T, D)."""
-    return _IMPLEMENTATIONS[backend](q, k, v, score)
+def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, backend: str, block_mask=None) -> Tensor:
+    """Causal attention with an optional additive score term. (B, H, T, D) -> (B, H, T, D).
+
+    ``block_mask``: flex's causal BlockMask, built once per forward by the model and shared by
+    its layers (inside torch.compile the lru_cache is not honoured, so building it per layer
+    would recompute it per layer).
+    """
+    return _IMPLEMENTATIONS[backend](q, k, v, score, block_mask)

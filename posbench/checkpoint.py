@@ -10,8 +10,10 @@ used instead.
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,7 +53,10 @@ def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     """Load one checkpoint and check it is complete; raises ValueError when it is not."""
     try:
         state = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as err:  # truncated zip, bad pickle, ...
+    except OSError:
+        raise  # an I/O problem says nothing about the file's content: never quarantine for it
+    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, pickle.UnpicklingError,
+            zipfile.BadZipFile) as err:  # truncated zip, bad pickle, ...
         raise ValueError(f"cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
     if not isinstance(state, dict):
         raise ValueError("is not a posbench checkpoint")

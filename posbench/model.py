@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from posbench.attention import BACKENDS, attend, resolve_backend
+from posbench.attention import BACKENDS, attend, causal_block_mask, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.methods import ModelDims, PositionMethod, build_method
 
@@ -109,12 +109,12 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None) -> Tensor:
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
         q, k = method.rotate_qk(q, k, positions)  # (B, H, T, D) each
         score = method.score_term(q, positions, self.layer) if method.has_score_term else None
         backend = resolve_backend(self.backend, method.has_score_term, x.device)
-        y = attend(q, k, v, score, backend)  # (B, H, T, D)
+        y = attend(q, k, v, score, backend, block_mask)  # (B, H, T, D)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -137,8 +137,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, method)
+    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, method, block_mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -180,8 +180,11 @@ class Transformer(nn.Module):
         pos_emb = self.position.input_embedding(positions)
         if pos_emb is not None:
             x = x + pos_emb.to(x.dtype)
+        block_mask = None
+        if resolve_backend(self.cfg.attention, self.position.has_score_term, idx.device) == "flex":
+            block_mask = causal_block_mask(T, str(idx.device))  # once per forward, for all layers
         for block in self.blocks:
-            x = block(x, positions, self.position)
+            x = block(x, positions, self.position, block_mask)
         return self.norm(x)
 
     def forward(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:

@@ -86,6 +86,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     )
     for entry in entries:
         entry["data"] = source
+        entry["checkpoint_step"] = run.step
     if other_path:
         # Other text never changes the run's own results.json; it gets a file of its own.
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(other_path).name) or "data"
@@ -96,6 +97,12 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     if run.results is None:
         raise PosbenchError(f"{run.path} has no results.json (the run did not finish); resume it with posbench train first")
     results = run.results
+    trained = results.get("train", {}).get("steps")
+    if trained is not None and trained != run.step:
+        raise PosbenchError(
+            f"the newest checkpoint of {run.path} is at step {run.step} but its results.json is from "
+            f"step {trained}; finish the run (posbench train ... trainer.resume={run.path}) before re-evaluating"
+        )
     keep = [e for e in results.get("eval", []) if (e["split"], e["length"]) not in {(n["split"], n["length"]) for n in entries}]
     results["eval"] = sorted(keep + entries, key=lambda e: (e["split"] != "validation", e["length"]))
     write_results(run.path, results)

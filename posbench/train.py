@@ -178,10 +178,16 @@ def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Callable
 
 
 def make_optimizer(model: torch.nn.Module, t: TrainerConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; matrices decay, norms and other vectors do not (nanoGPT/Llama practice)."""
+    """AdamW; weight matrices decay, norms and position-method tables do not.
+
+    Position tables are excluded so that rows training never reaches (learned positions past the
+    training context) stay exactly at their initialisation, as the method's definition says;
+    decoupled decay would otherwise shrink them every step.
+    """
+    position = {id(p) for p in getattr(model, "position", torch.nn.Module()).parameters()}
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in position]
+    no_decay = [p for p in params if p.dim() < 2 or id(p) in position]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
 
@@ -203,8 +209,7 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-        logger.warning("received %s: saving a checkpoint at the end of this step", signal.Signals(signum).name)
+        self.signum = signum  # only a flag: logging here could re-enter a half-written log line
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -215,7 +220,10 @@ class StopRequest:
         launcher that is submitit's, which requeues the SLURM job (and the job resumes)."""
         previous = self._previous.get(signal.SIGUSR1)
         if self.signum == signal.SIGUSR1 and callable(previous):
-            previous(self.signum, None)
+            try:
+                previous(self.signum, None)
+            except SystemExit:  # submitit exits after requeueing; we exit our own way below
+                pass
 
 
 def same_on_all_ranks(path: Path, info: DistInfo) -> Path:
@@ -290,8 +298,9 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        if t.precision != "fp32":  # fp32 means fp32: no TF32 matmuls then
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
     elif dist_info.is_main and cfg.model.get("flavour") not in ("tiny", "mini") and t.max_steps is None:
         log("warning: training on the CPU; the full setup takes very long there. "
             "For a quick CPU run use experiment=cpu_quick")
@@ -341,22 +350,19 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
         optimizer, lr_lambda(total_steps, t.warmup_steps, t.min_lr_ratio)
     )
 
-    start_step, elapsed_before, loss_value = 0, 0.0, float("nan")
+    start_step, elapsed_before, overhead_before, loss_value = 0, 0.0, 0.0, float("nan")
     if resuming:
-        state = load_latest_checkpoint(run_dir, log=log, map_location=device, quarantine=is_main)
+        state = load_resume_state(run_dir, dist_info, log)
         if state is None:
             log(f"no usable checkpoint in {run_dir}; starting from scratch")
         else:
-            if state.get("method") != spec.method:
-                raise PosbenchError(
-                    f"{run_dir} holds a run of method={state.get('method')}, not method={spec.method}; "
-                    "resume it with the same config or choose a fresh hydra.run.dir"
-                )
+            check_resumable(state, spec, total_steps, run_dir)
             raw_model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
             start_step, elapsed_before = state["step"], state.get("elapsed_seconds", 0.0)
+            overhead_before = state.get("overhead_seconds", 0.0)
             loss_value = state.get("last_loss", float("nan"))
             if start_step >= total_steps and was_complete:
                 log(f"{run_dir} is already complete; nothing to do (its results.json is unchanged)")
@@ -392,6 +398,7 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
     def checkpoint_state(step: int, elapsed: float) -> dict[str, Any]:
         return {
             "step": step, "tokens": step * tokens_per_step, "elapsed_seconds": elapsed,
+            "overhead_seconds": overhead_before + overhead,
             "last_loss": loss_value,
             "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "rng": rng_state(),
@@ -411,6 +418,7 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
     start_time = time.perf_counter()
     last_ckpt_time = start_time
     window_start, window_tokens = time.perf_counter(), 0
+    overhead = 0.0  # validation + checkpoint seconds of this segment, kept out of tokens/s
     step = start_step
     try:
         with StopRequest() as stop:
@@ -431,6 +439,7 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
                     torch.nn.utils.clip_grad_norm_(raw_model.parameters(), t.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                lr_used = scheduler.get_last_lr()[0]
                 scheduler.step()
                 window_tokens += tokens_per_step
 
@@ -439,15 +448,9 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
                     now = time.perf_counter()
                     tps = window_tokens / max(now - window_start, 1e-9)
                     window_start, window_tokens = now, 0
-                    if not math.isfinite(loss_value):
-                        kept = list_checkpoints(run_dir)
-                        raise NonFiniteLoss(
-                            f"loss became {loss_value} at step {step}; "
-                            + (f"last good checkpoint kept: {kept[-1].name}; " if kept else "")
-                            + "lower trainer.lr or raise trainer.warmup_steps"
-                        )
+                    ensure_finite(loss_value, step, run_dir)
                     row = {"step": step, "tokens": step * tokens_per_step, "loss": loss_value,
-                           "lr": scheduler.get_last_lr()[0], "tokens_per_second": tps,
+                           "lr": lr_used, "tokens_per_second": tps,
                            "elapsed_seconds": elapsed_before + now - start_time}
                     if is_main:
                         append_metrics(run_dir / "metrics.jsonl", row)
@@ -456,8 +459,11 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
                         if not progress.enabled and (step % text_every == 0 or step == total_steps):
                             log(f"step {step}/{total_steps} loss {loss_value:.4f} {tps:,.0f} tok/s")
                 if is_main and t.val_every and (step % t.val_every == 0) and step != total_steps:
-                    validate(raw_model, val_seqs, micro, device, autocast, run_dir, run_logger, step, tokens_per_step)
+                    began = time.perf_counter()
+                    validate(raw_model, val_seqs, micro, device, amp_dtype, run_dir, run_logger, step, tokens_per_step)
                     model.train()
+                    overhead += time.perf_counter() - began
+                    window_start += time.perf_counter() - began
 
                 stop_now = stop.signum is not None or (t.stop_after_steps is not None and step >= t.stop_after_steps)
                 if dist_info.enabled and step % t.log_every == 0:
@@ -469,10 +475,17 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
                     t.checkpoint_every_minutes and now - last_ckpt_time >= 60 * t.checkpoint_every_minutes
                 )
                 if is_main and (due or stop_now) and step != total_steps:
+                    # Never keep non-finite weights as a checkpoint (the loss is checked at log
+                    # steps only; this sync is free next to the save).
+                    ensure_finite(float(loss_sum), step, run_dir)
                     save_checkpoint(run_dir, checkpoint_state(step, elapsed_before + now - start_time), t.keep_checkpoints)
-                    last_ckpt_time = now
+                    last_ckpt_time = time.perf_counter()
+                    overhead += last_ckpt_time - now
+                    window_start += last_ckpt_time - now
                 if stop_now and step != total_steps:
                     signum = stop.signum or signal.SIGTERM
+                    if stop.signum is not None:
+                        log(f"received {signal.Signals(signum).name}: checkpoint saved at step {step}")
                     if is_main:
                         write_status(run_dir, "interrupted", method=spec.method, seed=spec.seed,
                                      error=f"stopped at step {step}", step=step)
@@ -484,7 +497,9 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
                         exit_code=128 + int(signum),
                     )
             wall = elapsed_before + time.perf_counter() - start_time
+            overhead_total = overhead_before + overhead
             if is_main:
+                ensure_finite(float(loss_sum), total_steps, run_dir)
                 save_checkpoint(run_dir, checkpoint_state(total_steps, wall), t.keep_checkpoints)
     except BaseException as err:
         progress.close()
@@ -497,15 +512,16 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
 
     results: dict[str, Any] = {}
     if is_main:
-        val_loss = validate(raw_model, val_seqs, micro, device, autocast, run_dir, run_logger, total_steps, tokens_per_step)
+        val_loss = validate(raw_model, val_seqs, micro, device, amp_dtype, run_dir, run_logger, total_steps, tokens_per_step)
         results = evaluate_run(raw_model, prepared, spec, device, amp_dtype, log)
         train_tokens = total_steps * tokens_per_step
         results["train"] = {
             "tokens": train_tokens, "steps": total_steps, "final_loss": loss_value,
             "final_val_loss": val_loss, "epochs": train_tokens / max(1, batches.steps_per_epoch * tokens_per_step),
-            # Over the whole run (all resumed segments): training tokens / training wall time.
-            "tokens_per_second": train_tokens / max(wall, 1e-9),
-            "wall_seconds": wall, "device": device.type, "world_size": dist_info.world_size,
+            # Over the whole run (all resumed segments): training tokens / training time, where
+            # training time is wall time less periodic validation and checkpoint writing.
+            "tokens_per_second": train_tokens / max(wall - overhead_total, 1e-9),
+            "wall_seconds": wall, "overhead_seconds": overhead_total, "device": device.type, "world_size": dist_info.world_size,
             "resumed_from_step": start_step or None,
         }
         results["run_name"] = spec.run_name
@@ -544,23 +560,69 @@ def evaluate_run(model: Transformer, prepared: Any, spec: RunSpec, device: torch
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-@torch.no_grad()
-def validate(model: Transformer, sequences: torch.Tensor, batch: int, device: torch.device, autocast,
-             run_dir: Path, run_logger: Any, step: int, tokens_per_step: int) -> float:
-    """Mean next-token loss on fixed held-out sequences at the training context."""
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(sequences), batch):
-        seq = sequences[i:i + batch].to(device)
-        with autocast():
-            logits = model(seq[:, :-1])
-        total += float(F.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten(), reduction="sum"))
-        count += seq[:, 1:].numel()
-    val_loss = total / count
+def validate(model: Transformer, sequences: torch.Tensor, batch: int, device: torch.device,
+             amp_dtype: torch.dtype | None, run_dir: Path, run_logger: Any, step: int, tokens_per_step: int) -> float:
+    """Mean next-token loss on fixed held-out sequences at the training context, computed by
+    the evaluator (fp32 LM head), so it is comparable with the 0-C band of results.json."""
+    from posbench.evaluate import per_position_loss
+
+    val_loss = float(per_position_loss(model, sequences, batch, device, autocast_dtype=amp_dtype).mean())
     append_metrics(run_dir / "metrics.jsonl", {"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss})
     run_logger.log_metrics({"val/loss": val_loss, "train/tokens": step * tokens_per_step}, step=step)
     logger.info("step %d validation loss %.4f", step, val_loss)
     return val_loss
+
+
+def ensure_finite(loss: float, step: int, run_dir: Path) -> None:
+    if not math.isfinite(loss):
+        kept = list_checkpoints(run_dir)
+        raise NonFiniteLoss(
+            f"loss became {loss} at step {step}; "
+            + (f"last good checkpoint kept: {kept[-1].name}; " if kept else "")
+            + "lower trainer.lr or raise trainer.warmup_steps"
+        )
+
+
+def load_resume_state(run_dir: Path, info: DistInfo, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """Rank 0 picks the checkpoint (skipping damaged ones); every rank loads that same file.
+
+    Loaded to the CPU: RNG states must be CPU tensors, and load_state_dict moves the rest.
+    """
+    from posbench.checkpoint import read_checkpoint
+
+    state = load_latest_checkpoint(run_dir, log=log, map_location="cpu") if info.is_main else None
+    if not info.enabled:
+        return state
+    import torch.distributed as dist
+
+    box = [state["path"] if state else None]
+    dist.broadcast_object_list(box, src=0)
+    if info.is_main or box[0] is None:
+        return state
+    return read_checkpoint(Path(box[0])) | {"path": box[0]}
+
+
+def check_resumable(state: dict[str, Any], spec: RunSpec, total_steps: int, run_dir: Path) -> None:
+    """Refuse to continue a checkpoint under settings that would change what it means."""
+    saved = state.get("config", {})
+    saved_trainer = saved.get("trainer", {})
+    theirs = {"method": state.get("method"), "seed": saved.get("seed"),
+              "trainer.context": saved_trainer.get("context"), "trainer.batch_size": saved_trainer.get("batch_size"),
+              "model": state.get("model_config", {}).get("d_model")}
+    ours = {"method": spec.method, "seed": spec.seed, "trainer.context": spec.trainer.context,
+            "trainer.batch_size": spec.trainer.batch_size, "model": spec.model.d_model}
+    for key, value in theirs.items():
+        if value is not None and value != ours[key]:
+            shown = "model.d_model" if key == "model" else key
+            raise PosbenchError(
+                f"{run_dir} holds a run with {shown}={value}, not {shown}={ours[key]} "
+                f"(method={state.get('method')}); resume it with the same config or choose a fresh hydra.run.dir"
+            )
+    if state["step"] > total_steps:
+        raise PosbenchError(
+            f"the checkpoint in {run_dir} is at step {state['step']}, past this run's {total_steps} steps; "
+            "raise trainer.max_steps or choose a fresh hydra.run.dir"
+        )
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -182,3 +182,32 @@ def test_relaunching_a_finished_run_leaves_its_results_alone(tmp_path):
     assert again == json.loads(json.dumps(first))
     assert (tmp_path / "results.json").read_text() == before
     assert (tmp_path / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_learned_rows_past_the_training_context_stay_at_their_initialisation(tmp_path):
+    import posbench
+
+    results = run_train(tmp_path, "method=learned", "method.max_positions=128", "trainer.weight_decay=0.5",
+                        "trainer.lr=1e-2")
+    trained = read_checkpoint(list_checkpoints(tmp_path)[-1])["model"]["position.table.weight"]
+    torch.manual_seed(0)  # the trainer seeds before building the model: rebuild the same init
+    fresh = posbench.create_model("learned", flavour="tiny", vocab_size=results["model"]["vocab_size"],
+                                  method_options={"max_positions": 128})
+    initial = fresh.position.table.weight.detach()
+    context = results["train_context"]
+    assert torch.equal(trained[context:], initial[context:])
+    assert not torch.equal(trained[:context], initial[:context])
+
+
+def test_resuming_with_a_different_seed_or_batch_is_refused(tmp_path):
+    with pytest.raises(TrainingInterrupted):
+        run_train(tmp_path, "method=rope", "trainer.stop_after_steps=2")
+    with pytest.raises(PosbenchError, match="seed=0, not seed=1"):
+        run_train(tmp_path, "method=rope", "seed=1")
+    with pytest.raises(PosbenchError, match="trainer.batch_size=4, not trainer.batch_size=8"):
+        run_train(tmp_path, "method=rope", "trainer.batch_size=8")
+
+
+def test_eval_split_train_reproduces_the_seed_measurement(tmp_path):
+    results = run_train(tmp_path, "method=rope", "eval.split=train")
+    assert results["eval"][0]["split"] == "train"

@@ -35,9 +35,10 @@ class Learned(PositionMethod):
         return self.table.num_embeddings
 
     def input_embedding(self, positions: Tensor) -> Tensor:
-        # Checked only outside compiled graphs: the comparison would force a host sync there.
+        # The length check is free; the exact max is read only from CPU tensors, since on a
+        # GPU it would cost a host sync per forward (out-of-range ids still fail in the lookup).
         if not torch.compiler.is_compiling() and positions.numel():
-            last = int(positions.max())
+            last = int(positions.max()) if positions.device.type == "cpu" else positions.numel() - 1
             if last >= self.max_positions:
                 raise PosbenchError(
                     f"learned positions go up to {self.max_positions - 1} but position {last} "
