@@ -167,9 +167,10 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     single, double = tmp_path / "single", tmp_path / "ddp"
     posbench_cli("train", *common, f"hydra.run.dir={single}")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+        # --standalone: a free local port per run, so parallel or leftover runs never collide.
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "-m", "posbench.cli", "train", *common, f"hydra.run.dir={double}"],
-        capture_output=True, text=True, env=ENV, timeout=600,
+        capture_output=True, text=True, env=ENV, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = lambda d: [json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
