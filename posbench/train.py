@@ -337,8 +337,10 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
             f"trainer.micro_batch_size={micro} must divide the per-process batch {per_process}"
         )
     accum = per_process // micro
+    # One pinned host buffer per step, copied without blocking (no per-token Python work).
     batches = TrainBatches(prepared.train_tokens(), t.context, t.batch_size, spec.seed,
-                           rank=dist_info.rank, world_size=dist_info.world_size)
+                           rank=dist_info.rank, world_size=dist_info.world_size,
+                           device=device, pin_memory=device.type == "cuda")
     tokens_per_step = t.batch_size * t.context
     if t.max_steps is not None:
         total_steps = t.max_steps
@@ -424,8 +426,7 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
         with StopRequest() as stop:
             model.train()
             for step in range(start_step + 1, total_steps + 1):
-                x, y = batches.get(step - 1)
-                x, y = to_device(x, device), to_device(y, device)
+                x, y = batches.get(step - 1)  # already on the device
                 loss_sum = torch.zeros((), device=device)
                 for i in range(accum):
                     xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
@@ -623,12 +624,6 @@ def check_resumable(state: dict[str, Any], spec: RunSpec, total_steps: int, run_
             f"the checkpoint in {run_dir} is at step {state['step']}, past this run's {total_steps} steps; "
             "raise trainer.max_steps or choose a fresh hydra.run.dir"
         )
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
 
 
 def append_metrics(path: Path, row: dict[str, Any]) -> None:
