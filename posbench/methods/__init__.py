@@ -15,8 +15,10 @@ from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, dense_scor
 
 _REGISTRY: dict[str, type[PositionMethod]] = {}
 
-# Import order is the order methods are listed in (and plotted in).
-_BUILTIN_MODULES = ("nope", "learned", "sinusoidal", "rope", "alibi", "t5", "relative")
+# Every module of this package is a method and is imported (so registered) below. The first
+# ones come in this order, which is the order methods are listed and plotted in; any other
+# module follows alphabetically, so a new method needs no edit here.
+_LISTING_ORDER = ("nope", "learned", "sinusoidal", "rope", "alibi", "t5", "relative")
 
 
 def register(cls: type[PositionMethod]) -> type[PositionMethod]:
@@ -66,7 +68,14 @@ def build_method(name: str, dims: ModelDims, **options: Any) -> PositionMethod:
     return cls(dims, **options)
 
 
-for _module in _BUILTIN_MODULES:
+def _method_modules() -> list[str]:
+    import pkgutil
+
+    found = {m.name for m in pkgutil.iter_modules(__path__) if m.name != "base" and not m.name.startswith("_")}
+    return [m for m in _LISTING_ORDER if m in found] + sorted(found - set(_LISTING_ORDER))
+
+
+for _module in _method_modules():
     importlib.import_module(f"posbench.methods.{_module}")
 
 __all__ = [
