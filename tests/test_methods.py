@@ -453,7 +453,7 @@ def test_t5_bad_options_rejected():
 
 @pytest.mark.parametrize("d_model", [16, 64, 128])
 def test_sinusoidal_matches_vaswani_formula(d_model):
-    m = make("sinusoidal", d_model=d_model, n_heads=4)
+    m = make("sinusoidal", d_model=d_model, n_heads=4, scale=1.0)  # the raw table
     T = 2048
     pe = m.input_embedding(torch.arange(T))
     assert pe.shape == (T, d_model)
@@ -470,13 +470,24 @@ def test_sinusoidal_matches_vaswani_formula(d_model):
 
 
 def test_sinusoidal_base_option_and_arbitrary_positions():
-    m = make("sinusoidal", d_model=32, n_heads=4, base=500.0)
+    m = make("sinusoidal", d_model=32, n_heads=4, base=500.0, scale=1.0)
     pos = torch.tensor([0, 3, 999, 17])
     pe = m.input_embedding(pos).double()
     angle = pos.double().view(-1, 1) / 500.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
     torch.testing.assert_close(pe[:, 0::2], angle.sin(), atol=1e-4, rtol=0)
     torch.testing.assert_close(pe[:, 1::2], angle.cos(), atol=1e-4, rtol=0)
     torch.testing.assert_close(pe[0], torch.tensor([0.0, 1.0] * 16, dtype=torch.float64))
+
+
+def test_sinusoidal_default_scale_restores_the_papers_token_to_position_ratio():
+    raw = make("sinusoidal", d_model=64, n_heads=4, scale=1.0).input_embedding(torch.arange(512))
+    scaled = make("sinusoidal", d_model=64, n_heads=4).input_embedding(torch.arange(512))
+    torch.testing.assert_close(scaled, 0.02 * raw)
+    # Paper: tokens at RMS 1 (std d^-1/2 init times sqrt(d)) against the table's RMS 1/sqrt(2).
+    # Here tokens start at std 0.02 (init_std), so the scaled table must sit at 0.02/sqrt(2).
+    assert scaled.pow(2).mean().sqrt().item() == pytest.approx(0.02 / 2**0.5, rel=1e-3)
+    with pytest.raises(ValueError):
+        make("sinusoidal", d_model=64, n_heads=4, scale=0.0)
 
 
 # ----------------------------------------------------------------------------------------------

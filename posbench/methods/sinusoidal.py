@@ -2,6 +2,13 @@
 
 PE(pos, 2i) = sin(pos / base^(2i/d)), PE(pos, 2i+1) = cos(pos / base^(2i/d)), base = 10000.
 Computed from the positions on the fly, so any length works.
+
+Scale: what the model sees is token embedding + PE, so their ratio matters. The paper multiplies
+its token embeddings (initialised at std d^-1/2) by sqrt(d_model), which puts tokens at RMS ~1 per
+channel against the table's ~0.71. posbench's token embeddings are initialised at std 0.02
+(GPT-2 style) and not rescaled, so the table is multiplied by ``scale`` = 0.02 by default, which
+restores the paper's token : position ratio (1 : 0.71). ``scale=1`` adds the raw table, whose
+position signal is then ~35x the token signal and swamps it at the start of training.
 """
 
 import torch
@@ -15,15 +22,19 @@ from posbench.methods.base import ModelDims, PositionMethod
 class Sinusoidal(PositionMethod):
     name = "sinusoidal"
 
-    def __init__(self, dims: ModelDims, *, base: float = 10000.0) -> None:
+    def __init__(self, dims: ModelDims, *, base: float = 10000.0, scale: float = 0.02) -> None:
         super().__init__(dims)
         if dims.d_model % 2:
             raise ValueError("sinusoidal embeddings need an even d_model")
+        if not scale > 0:
+            raise ValueError(f"sinusoidal needs scale > 0, got {scale}")
         self.base = base
+        self.scale = scale
         inv_freq = base ** (-torch.arange(0, dims.d_model, 2, dtype=torch.float64) / dims.d_model)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def input_embedding(self, positions: Tensor) -> Tensor:
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, d/2)
         # Interleave so even channels hold sin and odd channels cos, as in the paper.
-        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (T, d_model)
+        table = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (T, d_model)
+        return self.scale * table
