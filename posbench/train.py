@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from posbench.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state, list_checkpoints
-from posbench.distributed import DistInfo, any_rank, init_distributed, mean_across_ranks, shutdown
+from posbench.distributed import DistInfo, any_rank, barrier, init_distributed, mean_across_ranks, shutdown
 from posbench.errors import PosbenchError
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.settings import EvalConfig, TrainerConfig, from_section
@@ -540,6 +540,9 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
         band = f"{t.context}-{2 * t.context}"
         log(f"done: {run_dir / 'results.json'}; {band} loss {headline(results, band):.4f}")
     run_logger.finish(exit_code=0)
+    # Other ranks wait here while rank 0 evaluates: tearing the process group down on some ranks
+    # while another still runs left a rank hanging at exit (seen intermittently with gloo).
+    barrier(dist_info)
     shutdown(dist_info)
     return results
 
