@@ -79,7 +79,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from posbench.errors import PosbenchError
+from posbench.errors import PosbenchError, one_line
 
 logger = logging.getLogger("posbench")
 
@@ -358,11 +358,6 @@ def free_memory(device: torch.device) -> None:
 
 def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError)
-
-
-def one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 # ----------------------------------------------------------------------------- the measurements

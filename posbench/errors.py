@@ -9,3 +9,9 @@ message should name the fix, e.g. "... ; set data.path=<dir with .txt files>".
 
 class PosbenchError(Exception):
     """An error caused by user input, reported as one line naming the fix."""
+
+
+def one_line(err: BaseException) -> str:
+    """``Type: first line of the message``, for logs and status files."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__

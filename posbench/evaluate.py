@@ -125,28 +125,6 @@ def band_means(loss_by_position: Sequence[float] | Tensor | np.ndarray, train_co
     }
 
 
-def _first_windows(tokens: np.ndarray, length: int, num_sequences: int, split: str = "validation") -> Tensor:
-    """Fallback for ``posbench.data.loader.eval_sequences``: the first non-overlapping windows."""
-    window = length + 1
-    fit = len(tokens) // window
-    if fit == 0:
-        raise PosbenchError(
-            f"the {split} token stream has {len(tokens)} tokens but eval length {length} needs at "
-            f"least {window}; lower eval.lengths or evaluate on a larger split"
-        )
-    count = min(fit, num_sequences)
-    windows = np.asarray(tokens[: count * window]).astype(np.int64).reshape(count, window)
-    return torch.from_numpy(windows)
-
-
-def _sequence_maker() -> Callable[..., Tensor]:
-    try:  # the data pipeline's version is the reference; keep working while it is being written
-        from posbench.data.loader import eval_sequences
-    except ImportError:
-        return _first_windows
-    return eval_sequences
-
-
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise PosbenchError(f"{name} must be a positive integer, got {value!r}")
@@ -180,7 +158,7 @@ def evaluate_model(
     num_sequences = _positive_int("eval num_sequences", num_sequences)
     batch_size = _positive_int("eval batch_size", batch_size)
     train_context = _positive_int("train_context", train_context)
-    make_sequences = _sequence_maker()
+    from posbench.data.loader import eval_sequences as make_sequences
     entries = []
     for length in lengths:
         sequences = make_sequences(tokens, length, num_sequences, split=split)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from posbench.errors import PosbenchError
+from posbench.errors import PosbenchError, one_line
 
 __all__ = [
     "LOGGERS",
@@ -250,7 +250,7 @@ class WandbLogger(RunLogger):
             # Online failed (usually unreachable server after init_timeout). Offline needs no
             # network, keeps the data and can be uploaded later, so it beats logging nothing.
             _online_unreachable = True
-            self._log(f"warning: W&B online init failed ({_one_line(e)}); logging offline")
+            self._log(f"warning: W&B online init failed ({one_line(e)}); logging offline")
             self.mode = "offline"
             try:
                 self._run = _wandb_init(mode="offline", **init_args)
@@ -277,7 +277,7 @@ class WandbLogger(RunLogger):
             try:
                 run.finish(exit_code=exit_code)
             except Exception as e:
-                self._log(f"warning: W&B finish failed ({_one_line(e)}); run data stays in {self.sync_dir}")
+                self._log(f"warning: W&B finish failed ({one_line(e)}); run data stays in {self.sync_dir}")
 
     def _guard(self, op: str, fn: Callable[[Any], None]) -> None:
         """Run ``fn(run)``; on any error warn once and stop logging (training must go on)."""
@@ -292,7 +292,7 @@ class WandbLogger(RunLogger):
         # Not finishing the broken run on purpose: finish() could block on the network; wandb's
         # atexit hook (or the next run's reinit) closes it, and its local files stay usable.
         self._run = None
-        self._log(f"warning: W&B {op} failed ({_one_line(e)}); continuing without W&B logging")
+        self._log(f"warning: W&B {op} failed ({one_line(e)}); continuing without W&B logging")
 
     # -- logging -----------------------------------------------------------------------------
 
@@ -425,6 +425,4 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+

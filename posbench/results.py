@@ -43,7 +43,9 @@ def _versions() -> dict[str, str]:
 
     import posbench
 
-    return {"posbench": posbench.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    return {"posbench": posbench.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "cuda": torch.version.cuda or "",
+            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
 
 
 def build_results(

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posbench.checkpoint import list_checkpoints, load_latest_checkpoint
 from posbench.errors import PosbenchError
+from posbench.io import write_json_atomic
 from posbench.model import ModelConfig, Transformer, build_model
 
 logger = logging.getLogger("posbench")
@@ -91,7 +92,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         # Other text never changes the run's own results.json; it gets a file of its own.
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(other_path).name) or "data"
         out = run.path / f"eval_{slug}.json"
-        write_results_file(out, {"method": run.model.method_name, "data": source, "eval": entries})
+        write_json_atomic(out, {"method": run.model.method_name, "data": source, "eval": entries})
         log(f"wrote {out}")
         return {"eval": entries, "path": str(out)}
     if run.results is None:
@@ -110,8 +111,3 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     log(f"updated {run.path / 'results.json'}")
     return results
 
-
-def write_results_file(path: Path, obj: dict[str, Any]) -> None:
-    from posbench.io import write_json_atomic
-
-    write_json_atomic(path, obj)

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import platform
 import signal
 import sys
 import time
@@ -31,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posbench.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state, list_checkpoints
 from posbench.distributed import DistInfo, any_rank, barrier, init_distributed, mean_across_ranks, shutdown
-from posbench.errors import PosbenchError
+from posbench.errors import PosbenchError, one_line
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.settings import EvalConfig, TrainerConfig, from_section
 
@@ -530,7 +529,6 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
                             "non_embedding_parameters": raw_model.num_parameters(non_embedding=True)}
         results["method_options"] = spec.method_options
         results["data"] = {"dir": str(prepared.dir), "meta": prepared.meta}
-        results["versions"] = versions()
         write_results(run_dir, results)
         figures = write_run_figures(run_dir, log)
         run_logger.log_eval(results["eval"], t.context)
@@ -678,19 +676,6 @@ def already_complete(run_dir: Path) -> bool:
 
     status = read_status(run_dir) or {}
     return status.get("status") == "completed" and (run_dir / "results.json").is_file()
-
-
-def versions() -> dict[str, str]:
-    import posbench
-
-    return {"posbench": posbench.__version__, "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cuda": torch.version.cuda or "", "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
-
-
-def one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 class make_progress:

@@ -10,7 +10,7 @@ from torch import nn
 
 import posbench
 from posbench.errors import PosbenchError
-from posbench.evaluate import _first_windows, band_means, evaluate_model, per_position_loss
+from posbench.evaluate import band_means, evaluate_model, per_position_loss
 
 VOCAB = 97
 
@@ -140,14 +140,3 @@ def test_too_short_stream_and_bad_arguments() -> None:
         with pytest.raises(PosbenchError):
             evaluate_model(model, long_tokens, lengths, n, batch, 8, "cpu", log=lambda _: None)
 
-
-def test_fallback_windows_match_the_data_pipeline() -> None:
-    tokens = np.arange(1000, dtype=np.uint16)
-    windows = _first_windows(tokens, 99, 7)
-    assert windows.dtype == torch.long and windows.shape == (7, 100)
-    assert windows[3, 0].item() == 300 and windows[-1, -1].item() == 699
-    assert _first_windows(tokens, 99, 50).shape == (10, 100)
-    with pytest.raises(PosbenchError):
-        _first_windows(tokens, 1000, 1)
-    loader = pytest.importorskip("posbench.data.loader")
-    torch.testing.assert_close(loader.eval_sequences(tokens, 99, 7), windows)

@@ -46,7 +46,7 @@ def test_train_writes_a_complete_run_directory(tmp_path):
 
 
 def test_loss_decreases_on_real_structure(tmp_path):
-    results = run_train(tmp_path, "method=alibi", "trainer.max_steps=40", "trainer.lr=3e-3")
+    run_train(tmp_path, "method=alibi", "trainer.max_steps=40", "trainer.lr=3e-3")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < losses[0] - 0.5, losses
