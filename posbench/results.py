@@ -38,7 +38,8 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
+    """Software and device the results were produced with."""
     import torch
 
     import posbench
@@ -71,7 +72,7 @@ def build_results(
         "eval": list(eval),
     }
     extra.setdefault("created", _now())
-    extra.setdefault("versions", _versions())
+    extra.setdefault("versions", versions())
     results.update(extra)
     validate_results(results)
     return results

@@ -286,7 +286,7 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
     from posbench.data import prepare_data
     from posbench.data.loader import TrainBatches, eval_sequences
     from posbench.loggers import make_logger
-    from posbench.results import write_results, write_status
+    from posbench.results import versions, write_results, write_status
 
     spec = build_spec(cfg)
     t = spec.trainer
@@ -529,6 +529,7 @@ def _train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None]) -> dict[s
                             "non_embedding_parameters": raw_model.num_parameters(non_embedding=True)}
         results["method_options"] = spec.method_options
         results["data"] = {"dir": str(prepared.dir), "meta": prepared.meta}
+        results["versions"] = versions()
         write_results(run_dir, results)
         figures = write_run_figures(run_dir, log)
         run_logger.log_eval(results["eval"], t.context)

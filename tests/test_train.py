@@ -211,3 +211,8 @@ def test_resuming_with_a_different_seed_or_batch_is_refused(tmp_path):
 def test_eval_split_train_reproduces_the_seed_measurement(tmp_path):
     results = run_train(tmp_path, "method=rope", "eval.split=train")
     assert results["eval"][0]["split"] == "train"
+
+
+def test_results_record_the_software_versions(tmp_path):
+    results = run_train(tmp_path, "method=nope")
+    assert results["versions"]["torch"] == torch.__version__ and results["versions"]["posbench"]
