@@ -58,9 +58,9 @@ def _prepare(cfg: DictConfig) -> Any:
 
     start = time.perf_counter()
     prepared = prepare_data(data_config(cfg.data), log=logger.info)
-    meta = prepared.meta
-    counts = meta.get("tokens") or {k: meta.get(k) for k in ("train_tokens", "valid_tokens")}
-    logger.info("prepared %s in %.1f s: %s", prepared.dir, time.perf_counter() - start, counts)
+    counts = ", ".join(f"{split} {prepared.num_tokens(split):,} tokens" for split in ("train", "validation"))
+    logger.info("prepared %s in %.1f s: %s (vocab %d)", prepared.dir, time.perf_counter() - start, counts,
+                prepared.vocab_size)
     return prepared
 
 

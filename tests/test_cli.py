@@ -211,3 +211,10 @@ def test_results_files_are_readable_by_others(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_prepare_reports_token_counts_and_reuses_the_cache():
+    first = posbench_cli("prepare", "data=synthetic")
+    assert "train " in first.stdout + first.stderr and " tokens, validation " in first.stdout + first.stderr
+    again = posbench_cli("prepare", "data=synthetic")
+    assert "reusing cache" in again.stdout + again.stderr
