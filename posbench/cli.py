@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"posbench: error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         raise SystemExit(2)
     _register_launcher()
+    from posbench.hardware import tune_cpu_allocator
+
+    tune_cpu_allocator()
     # configs/hydra/launcher/joblib.yaml shadows the joblib plugin's schema on purpose (posbench's
     # launcher, same keys); Hydra would warn about that on every joblib sweep.
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")

@@ -1,8 +1,12 @@
-"""What the CPU can do: native bf16 (for ``precision=auto``) and its measured matmul peak (for MFU)."""
+"""What the CPU can do: native bf16 (for ``precision=auto``), its measured matmul peak (for MFU),
+and the allocator setting that keeps CPU training out of page faults."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -40,3 +44,39 @@ def cpu_matmul_peak_tflops(dtype: torch.dtype, size: int = 1024, seconds: float 
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e12
+
+
+# glibc's mallopt parameters (malloc.h) and the environment variables glibc reads for them at
+# start-up; the largest mmap threshold glibc accepts on 64-bit systems is 32 MiB.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 256 * 2**20}
+
+
+def tune_cpu_allocator(environ: dict[str, str] | None = None) -> bool:
+    """Keep glibc from handing freed tensor memory back to the kernel on every training step.
+
+    By default glibc serves blocks above a (dynamic) threshold with a fresh ``mmap`` and trims the
+    heap top whenever 128 KiB+ are free, so every step's activations fault their pages in again:
+    on a 2-core CPU a cpu_quick step spent ~10 % of its time in the kernel. A fixed 32 MiB mmap
+    threshold and a 256 MiB trim threshold let the heap reuse those pages (about +15 % training
+    tokens/s there; memory held back is at most the trim threshold). The same effect as the
+    usual advice of preloading jemalloc or tcmalloc, without a dependency.
+
+    Applied to this process with ``mallopt`` and, through the environment, to the processes it
+    starts (sweep workers). Does nothing when the user chose: any of the variables already set,
+    or another allocator in ``LD_PRELOAD``; and nothing outside glibc. Returns whether it tuned.
+    """
+    env = os.environ if environ is None else environ
+    if any(name in env for name in ALLOCATOR_ENV) or "malloc" in env.get("LD_PRELOAD", ""):
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    tuned = (mallopt(_M_MMAP_THRESHOLD, ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"]) == 1
+             and mallopt(_M_TRIM_THRESHOLD, ALLOCATOR_ENV["MALLOC_TRIM_THRESHOLD_"]) == 1)
+    if tuned:
+        env.update({name: str(value) for name, value in ALLOCATOR_ENV.items()})
+    return tuned

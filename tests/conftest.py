@@ -15,6 +15,24 @@ import os as _os
 _os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor, *, method: str, reference: str,
+                             atol: float | None = None, rtol: float | None = None) -> None:
+    """``torch.testing.assert_close`` for a method checked against an independent reference,
+    which also records the largest absolute difference when ``POSBENCH_REFERENCE_LOG`` names a
+    file: ``scripts/reference_table.py`` runs these tests and tabulates the measured maxima."""
+    import json
+
+    log = _os.environ.get("POSBENCH_REFERENCE_LOG")
+    if log:
+        diff = (actual.detach().double() - expected.detach().double()).abs()
+        record = {"method": method, "reference": reference, "dtype": str(actual.dtype).replace("torch.", ""),
+                  "max_abs_diff": float(diff.max()) if diff.numel() else 0.0, "elements": diff.numel(),
+                  "atol": atol, "rtol": rtol, "test": _os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}
+        with open(log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
 @pytest.fixture
 def sample_data() -> Path:
     """The TinyStories sample shipped inside the package (real text: train.txt.gz,

@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_ha
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import posbench
+from conftest import assert_matches_reference
 from posbench.config import load_group_option
 from posbench.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, dense_score, method_class, method_options
@@ -146,7 +147,8 @@ def test_nope_is_identity_everywhere():
     q, k = qk()
     pos = torch.arange(q.shape[2])
     qr, kr = m.rotate_qk(q, k, pos)
-    assert torch.equal(qr, q) and torch.equal(kr, k)
+    for out, ref in ((qr, q), (kr, k)):
+        assert_matches_reference(out, ref, method="nope", reference="identity: q, k unchanged", atol=0, rtol=0)
     assert m.input_embedding(pos) is None and m.score_term(q, pos, 0) is None
     assert not type(m).has_score_term and sum(p.numel() for p in m.parameters()) == 0
 
@@ -193,8 +195,9 @@ def test_rope_matches_hf_llama(base, head_dim):
     pos = torch.arange(64)
     q_ref, k_ref = rope_reference_half(q, k, pos, base)
     q_out, k_out = m.rotate_qk(q, k, pos)
-    torch.testing.assert_close(q_out.double(), q_ref, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(k_out.double(), k_ref, atol=2e-5, rtol=1e-5)
+    for out, ref in ((q_out, q_ref), (k_out, k_ref)):
+        assert_matches_reference(out.double(), ref, method="rope", reference="transformers Llama apply_rotary_pos_emb (fp64), positions 0-63",
+                                 atol=2e-5, rtol=1e-5)
 
 
 def test_rope_matches_hf_llama_at_large_arbitrary_positions():
@@ -204,8 +207,9 @@ def test_rope_matches_hf_llama_at_large_arbitrary_positions():
     q_ref, k_ref = rope_reference_half(q, k, pos, 10000.0)
     q_out, k_out = m.rotate_qk(q, k, pos)
     # fp32 angles at position ~5000 carry ~5e-4 rad of rounding; a wrong formula is off by O(1).
-    torch.testing.assert_close(q_out.double(), q_ref, atol=5e-3, rtol=0)
-    torch.testing.assert_close(k_out.double(), k_ref, atol=5e-3, rtol=0)
+    for out, ref in ((q_out, q_ref), (k_out, k_ref)):
+        assert_matches_reference(out.double(), ref, method="rope", reference="transformers Llama apply_rotary_pos_emb (fp64), positions up to 5000",
+                                 atol=5e-3, rtol=0)
 
 
 @pytest.mark.parametrize("base", [10000.0, 500000.0])
@@ -216,8 +220,9 @@ def test_rope_interleaved_matches_complex_rotation(base, head_dim):
     q, k = qk(H=H, T=50, D=head_dim, dtype=torch.float32)
     pos = torch.arange(50)
     q_out, k_out = m.rotate_qk(q, k, pos)
-    torch.testing.assert_close(q_out.double(), rope_reference_complex(q, pos, base), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(k_out.double(), rope_reference_complex(k, pos, base), atol=2e-5, rtol=1e-5)
+    for out, x in ((q_out, q), (k_out, k)):
+        assert_matches_reference(out.double(), rope_reference_complex(x, pos, base), method="rope",
+                                 reference="RoFormer complex rotation (interleaved=true)", atol=2e-5, rtol=1e-5)
 
 
 def test_rope_modes_differ_only_by_channel_permutation():
@@ -368,7 +373,7 @@ def test_alibi_matches_bloom(n_heads):
     bloom = build_alibi_tensor(torch.ones(1, T, dtype=torch.long), n_heads, torch.float32)  # (H, 1, T)
     assert bloom.shape == (n_heads, 1, T)
     bloom_slopes = bloom[:, 0, 1]  # slope * key position 1
-    torch.testing.assert_close(m.slopes, bloom_slopes, rtol=1e-6, atol=0)
+    assert_matches_reference(m.slopes, bloom_slopes, method="alibi", reference="transformers BLOOM build_alibi_tensor slopes", rtol=1e-6, atol=0)
     # Softmax of (content + bias) over causal keys: BLOOM's +m*j and ALiBi's -m*(i-j) differ by a
     # per-row constant, so the attention weights must agree exactly (up to rounding).
     pos = torch.arange(T)
@@ -376,7 +381,7 @@ def test_alibi_matches_bloom(n_heads):
     ours = full_scores(m, q, k, pos).float().masked_fill(~causal(T), float("-inf")).softmax(-1)
     content = torch.einsum("bhid,bhjd->bhij", q, k) * 8**-0.5
     theirs = (content + bloom[None]).masked_fill(~causal(T), float("-inf")).softmax(-1)
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    assert_matches_reference(ours, theirs, method="alibi", reference="transformers BLOOM alibi: attention weights", atol=1e-5, rtol=1e-4)
     # The raw biases differ (not trivially equal): ours is <= 0 and zero on the diagonal.
     dense = dense_score(m.score_term(q, pos, 0), 1, n_heads, T, q.device)
     assert torch.all(dense.diagonal(dim1=-2, dim2=-1) == 0)
@@ -392,7 +397,8 @@ def test_alibi_score_term_is_minus_slope_times_distance():
     j = torch.arange(T).view(1, -1)
     expected = -slopes.view(-1, 1, 1) * (i - j).double()
     mask = causal(T)
-    torch.testing.assert_close(dense[0].double()[:, mask], expected[:, mask], rtol=1e-6, atol=1e-6)
+    assert_matches_reference(dense[0].double()[:, mask], expected[:, mask], method="alibi", reference="paper: -m_h (i - j)",
+                             rtol=1e-6, atol=1e-6)
     # same in every layer, no parameters
     dense1 = dense_score(m.score_term(q, torch.arange(T), 1), 1, n_heads, T, q.device)
     assert torch.equal(dense, dense1)
@@ -413,7 +419,8 @@ def test_t5_bucket_matches_hf(num_buckets, max_distance):
     hf = T5Attention._relative_position_bucket(
         -distance, bidirectional=False, num_buckets=num_buckets, max_distance=max_distance
     )  # HF takes memory - query = -(i - j)
-    assert torch.equal(ours.long(), hf.long())
+    assert_matches_reference(ours.long(), hf.long(), method="t5", reference="transformers T5Attention._relative_position_bucket",
+                             atol=0, rtol=0)
     assert int(ours.min()) == 0 and int(ours.max()) == num_buckets - 1
     assert (ours[1:] >= ours[:-1]).all()  # monotone in distance
     # Future keys (negative distance) fall in bucket 0 in both.
@@ -443,7 +450,7 @@ def test_t5_score_term_shared_across_layers_and_uses_buckets():
     bucket = T5Attention._relative_position_bucket(j - i, bidirectional=False, num_buckets=32, max_distance=128)
     expected = m.bias.weight.detach()[bucket].permute(2, 0, 1)  # (H, T, T)
     mask = causal(T)
-    torch.testing.assert_close(d[0][0][:, mask], expected[:, mask], atol=0, rtol=0)
+    assert_matches_reference(d[0][0][:, mask], expected[:, mask], method="t5", reference="table[HF bucket(i - j), h]", atol=0, rtol=0)
 
 
 def test_t5_bad_options_rejected():
@@ -471,7 +478,8 @@ def test_sinusoidal_matches_vaswani_formula(d_model):
     ref[:, 0::2] = torch.sin(angle)
     ref[:, 1::2] = torch.cos(angle)
     # fp32 angles at position 2047 are exact to ~1e-4; a swapped sin/cos or wrong frequency is O(1).
-    torch.testing.assert_close(pe.double(), ref, atol=2e-4, rtol=0)
+    assert_matches_reference(pe.double(), ref, method="sinusoidal", reference="Vaswani et al. formula (fp64), positions 0-2047",
+                             atol=2e-4, rtol=0)
     torch.testing.assert_close(pe[:64].double(), ref[:64], atol=1e-5, rtol=0)
     assert sum(p.numel() for p in m.parameters()) == 0
 
@@ -520,7 +528,8 @@ def test_relative_score_matches_explicit_loop(max_distance):
             for j in range(i + 1):
                 expected[:, :, i, j] = (q[:, :, i, :] * r[min(i - j, max_distance)]).sum(-1) / math.sqrt(D)
         mask = causal(T)
-        torch.testing.assert_close(dense[..., mask], expected[..., mask], atol=1e-10, rtol=1e-10)
+        assert_matches_reference(dense[..., mask], expected[..., mask], method="relative",
+                                 reference="Shaw et al. eq. 5 (key term), explicit loop", atol=1e-10, rtol=1e-10)
 
 
 def test_relative_clips_distances_beyond_k():

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import posbench
+from conftest import assert_matches_reference
 from posbench.attention import attend, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, dense_score
@@ -57,7 +58,8 @@ def test_kerple_matches_paper_formula(variant):
         d = (torch.arange(30).view(-1, 1) - torch.arange(30).view(1, -1)).clamp(min=0).double()
         kernel = -r1.view(-1, 1, 1) * (torch.log(1 + r2.view(-1, 1, 1) * d) if variant == "log" else d ** r2.view(-1, 1, 1))
         mask = causal(30)
-        torch.testing.assert_close(dense(m, q, torch.arange(30), layer)[0][:, mask], kernel[:, mask])
+        assert_matches_reference(dense(m, q, torch.arange(30), layer)[0][:, mask], kernel[:, mask], method="kerple",
+                                 reference=f"paper formula, {variant} variant")
 
 
 def test_kerple_parameters_projected_into_range():
@@ -88,7 +90,8 @@ def test_sandwich_is_the_inner_product_of_sinusoidal_embeddings(compress_heads):
     divisor = 8 * torch.arange(1, H + 1, dtype=torch.float64) / H if compress_heads else torch.ones(H, dtype=torch.float64)
     expected = inner / divisor.view(-1, 1, 1)
     mask = causal(T)
-    torch.testing.assert_close(dense(m, q, torch.arange(T))[0][:, mask], expected[:, mask], atol=1e-5, rtol=1e-5)
+    assert_matches_reference(dense(m, q, torch.arange(T))[0][:, mask], expected[:, mask], method="sandwich",
+                             reference="paper: inner product of sinusoidal embeddings", atol=1e-5, rtol=1e-5)
     assert sum(p.numel() for p in m.parameters()) == 0
 
 
@@ -105,7 +108,8 @@ def test_fire_matches_paper_formula():
     u = psi((i - j).clamp(min=0)) / (psi(torch.maximum(i, L)) + 1e-6)  # (T, T)
     expected = m.mlp(u.unsqueeze(-1)).permute(2, 0, 1).detach()  # (H, T, T): the paper's MLP
     mask = causal(50)
-    torch.testing.assert_close(dense(m, q, torch.arange(50))[0][:, mask], expected[:, mask])
+    assert_matches_reference(dense(m, q, torch.arange(50))[0][:, mask], expected[:, mask], method="fire",
+                             reference="paper formula f(psi(i-j) / psi(max(L, i)))")
 
 
 # ----------------------------------------------------------------------------------- rope family
@@ -124,8 +128,10 @@ def test_rope_partial_rotary_factor_matches_gpt_neox():
     emb = torch.cat((ang, ang), -1)
     q_rot, k_rot = apply_rotary_pos_emb(q[..., :R], k[..., :R], emb.cos()[None], emb.sin()[None])
     q_out, k_out = m.rotate_qk(q, k, pos)
-    torch.testing.assert_close(q_out, torch.cat((q_rot, q[..., R:]), -1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_out, torch.cat((k_rot, k[..., R:]), -1), atol=1e-5, rtol=1e-5)
+    for out, rot, x in ((q_out, q_rot, q), (k_out, k_rot, k)):
+        assert_matches_reference(out, torch.cat((rot, x[..., R:]), -1), method="rope",
+                                 reference="partial_rotary_factor: GPT-NeoX via transformers apply_rotary_pos_emb",
+                                 atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         make("rope", d_model=2 * D, n_heads=2, partial_rotary_factor=0.1)
 
@@ -147,8 +153,8 @@ def test_xpos_matches_reference_library(library):
         freqs, scale = ref(torch.arange(T))
         q_ref, k_ref = apply_rotary_pos_emb(q, freqs, scale), apply_rotary_pos_emb(k, freqs, scale**-1)
     q_out, k_out = build_method("xpos", ModelDims(2 * D, 2, 2), interleaved=True).rotate_qk(q, k, torch.arange(T))
-    torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
+    for out, ref in ((q_out, q_ref), (k_out, k_ref)):
+        assert_matches_reference(out, ref, method="xpos", reference=library.replace("_", "-"), atol=1e-5, rtol=1e-5)
     assert m.inv_freq.shape == (D // 2,)
 
 
@@ -179,7 +185,8 @@ def test_p_rope_rotates_only_the_highest_frequencies(p):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     q_ref, _ = apply_rotary_pos_emb(q.double(), k.double(), emb.cos()[None], emb.sin()[None])
-    torch.testing.assert_close(q_out.double(), q_ref, atol=1e-4, rtol=0)
+    assert_matches_reference(q_out.double(), q_ref, method="p_rope",
+                             reference="transformers apply_rotary_pos_emb, lowest frequencies zeroed (fp64)", atol=1e-4, rtol=0)
     if p == 1.0:
         torch.testing.assert_close(q_out, make("rope", d_model=4 * D, n_heads=4).float().rotate_qk(q, k, pos)[0])
 
@@ -201,7 +208,8 @@ def test_cope_matches_x_transformers():
     expected = ref(q, logits)
     ours = dense(m, q, torch.arange(T), layer=1, k=k)
     mask = causal(T)
-    torch.testing.assert_close(ours[..., mask], expected[..., mask], atol=1e-5, rtol=1e-5)  # ours in fp32
+    assert_matches_reference(ours[..., mask], expected[..., mask], method="cope", reference="x-transformers CoPE",
+                             atol=1e-5, rtol=1e-5)  # ours in fp32
     with pytest.raises(ValueError, match="keys k"):
         m.score_term(q, torch.arange(T), 0)
 
@@ -222,7 +230,8 @@ def test_fox_matches_paper_formula():
             expected[:, :, i, j] = log_f[:, j + 1 : i + 1].sum(1)  # sum_{l=j+1..i} log f_l
     ours = dense_score(m.score_term(q, torch.arange(T), 1, x=x), B, H, T, q.device)
     mask = causal(T)
-    torch.testing.assert_close(ours[..., mask].double(), expected[..., mask], atol=1e-5, rtol=1e-5)
+    assert_matches_reference(ours[..., mask].double(), expected[..., mask], method="fox",
+                             reference="paper: sum_{l=j+1..i} log f_l, explicit loop", atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------------- abs_attention
@@ -234,7 +243,8 @@ def test_abs_attention_adds_q_dot_r_of_the_key_position():
     pos = torch.arange(20) + 5
     R = m.tables[1].detach()
     expected = (torch.einsum("bhid,bhjd->bhij", q, k) + torch.einsum("bhid,jd->bhij", q, R[pos])) / math.sqrt(8)
-    torch.testing.assert_close(full_scores(m, q, k, pos, layer=1), expected)
+    assert_matches_reference(full_scores(m, q, k, pos, layer=1), expected, method="abs_attention",
+                             reference="formula (q.k + q.R_j) / sqrt(d)")
     with pytest.raises(PosbenchError, match="max_positions"):
         m.rotate_qk(q, k, torch.arange(20) + 4090)
 
@@ -255,7 +265,8 @@ def test_relative_value_term_matches_shaw_equation_3():
         e = torch.stack([(q[:, :, i] * (k[:, :, j] + aK[min(i - j, kmax)])).sum(-1) / math.sqrt(D) for j in range(i + 1)], -1)
         p = e.softmax(-1)  # (B, H, i+1)
         expected[:, :, i] = sum(p[..., j, None] * (v[:, :, j] + aV[min(i - j, kmax)]) for j in range(i + 1))
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert_matches_reference(out, expected, method="relative", reference="Shaw et al. eqs. 3-4 (value and key terms), explicit loop",
+                             atol=1e-5, rtol=1e-5)
 
 
 def test_relative_value_term_is_eager_only_and_optional():
@@ -294,7 +305,8 @@ def test_window_matches_naive_masked_loop(backend, case):
         if score is not None:
             logits = logits + full[:, :, i, j].double()
         ref = torch.einsum("bhj,bhjd->bhd", logits.softmax(-1), v[:, :, j])
-        torch.testing.assert_close(out[:, :, i], ref, atol=1e-5, rtol=1e-5)
+        assert_matches_reference(out[:, :, i], ref, method="window (model.attention_window)",
+                                 reference=f"naive masked loop, {backend}, {case}", atol=1e-5, rtol=1e-5)
 
 
 def test_window_combines_with_any_method_in_the_model():

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import posbench
+from conftest import assert_matches_reference
 from posbench.config import load_group_option
 from posbench.errors import PosbenchError
 from posbench.model import ModelConfig, Transformer
@@ -105,7 +106,8 @@ def test_rope_model_equals_hf_llama(T, backend):
         theirs = hf(input_ids=idx).logits
     assert ours.shape == theirs.shape == (2, T, VOCAB)
     assert theirs.abs().max() > 0.1  # a non-trivial function, not all ~0
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    assert_matches_reference(ours, theirs, method="rope", reference=f"whole model = transformers LlamaForCausalLM logits ({backend}, T={T})",
+                             atol=1e-5, rtol=1e-4)
 
 
 def test_rope_model_equals_hf_llama_with_other_base_and_shape():
@@ -248,7 +250,8 @@ def test_input_methods_add_to_input_only(name):
     pe = model.position.input_embedding(torch.arange(20)).detach()
     nope.position.input_embedding = lambda positions: pe  # type: ignore[method-assign]
     with torch.no_grad():
-        torch.testing.assert_close(nope(idx), out, atol=1e-6, rtol=1e-6)
+        assert_matches_reference(out, nope(idx), method=name, reference="nope body + the table added to the token embedding by hand",
+                                 atol=1e-6, rtol=1e-6)
 
 
 def test_learned_zero_table_equals_nope():

@@ -239,3 +239,26 @@ def test_native_bf16_detection_agrees_with_cpuinfo():
     if not cpuinfo.is_file():
         pytest.skip("no /proc/cpuinfo")
     assert cpu_has_native_bf16() == bool(NATIVE_BF16_FLAGS & set(cpuinfo.read_text().split()))
+
+
+def test_cpu_allocator_tuning_leaves_a_users_allocator_choice_alone():
+    from posbench.hardware import tune_cpu_allocator
+
+    chosen = {"MALLOC_TRIM_THRESHOLD_": "0"}
+    assert tune_cpu_allocator(chosen) is False and chosen == {"MALLOC_TRIM_THRESHOLD_": "0"}
+    preloaded = {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+    assert tune_cpu_allocator(preloaded) is False and "MALLOC_MMAP_THRESHOLD_" not in preloaded
+
+
+def test_cpu_allocator_tuning_applies_here_and_to_child_processes():
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt tuning is glibc-only")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    code = ("import os, subprocess, sys; from posbench.hardware import tune_cpu_allocator; "
+            "print(tune_cpu_allocator()); sys.stdout.flush(); "
+            "subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"MALLOC_MMAP_THRESHOLD_\"], "
+            "os.environ[\"MALLOC_TRIM_THRESHOLD_\"])'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", str(32 * 2**20), str(256 * 2**20)]
