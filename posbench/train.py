@@ -786,7 +786,8 @@ class Trainer:
             value = float(losses.mean() if name == "val_loss" else losses[context:2 * context].mean())
             row[name] = value
             logged["val/" + name.removeprefix("val_")] = value
-        append_metrics(self.run_dir / "metrics.jsonl", row)
+        if not validation_logged(self.run_dir, step):  # a run resumed at its final step validates it again
+            append_metrics(self.run_dir / "metrics.jsonl", row)
         self.run_logger.log_metrics(logged, step=step)
         logger.info("step %d validation loss %.4f", step, row["val_loss"])
         return row["val_loss"]
@@ -1026,6 +1027,13 @@ def check_resumable(state: dict[str, Any], spec: RunSpec, total_steps: int, run_
 def append_metrics(path: Path, row: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def validation_logged(run_dir: Path, step: int) -> bool:
+    """Whether ``metrics.jsonl`` already holds the validation row of ``step``."""
+    from posbench.results import read_metrics
+
+    return any(r.get("step") == step and "val_loss" in r for r in read_metrics(run_dir))
 
 
 def truncate_metrics(path: Path, step: int, log: Callable[[str], None]) -> None:

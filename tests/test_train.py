@@ -262,3 +262,12 @@ def test_cpu_allocator_tuning_applies_here_and_to_child_processes():
             "os.environ[\"MALLOC_TRIM_THRESHOLD_\"])'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", str(32 * 2**20), str(256 * 2**20)]
+
+
+def test_a_run_resumed_at_its_final_step_logs_one_final_validation_row(tmp_path):
+    run_train(tmp_path, "method=rope", "trainer.val_every=3")
+    (tmp_path / "results.json").unlink()  # killed during the final evaluation, after its validation
+    run_train(tmp_path, "method=rope", "trainer.val_every=3")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert (tmp_path / "results.json").is_file()
