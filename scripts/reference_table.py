@@ -57,8 +57,11 @@ def table(records: list[dict]) -> str:
 def main(argv: list[str]) -> None:
     text = table(collect())
     print(text)
-    if argv:
-        Path(argv[0]).write_text(text + "\n")
+    if argv:  # keep the file's prose, replace its table (from the header row to the end)
+        out = Path(argv[0])
+        old = out.read_text() if out.is_file() else ""
+        keep = old[: old.index("| method | reference")] if "| method | reference" in old else old
+        out.write_text(keep + text + "\n")
 
 
 if __name__ == "__main__":
