@@ -89,7 +89,10 @@ def run_data(run: Run, log: Callable[[str], None] = logger.info):
     unchanged = current is not None and (not recorded_dir or current.name == Path(recorded_dir).name)
     if recorded_dir and Path(recorded_dir).is_dir():
         if not unchanged:
-            log(f"note: {why}; evaluating on the run's own cached tokens in {recorded_dir}")
+            reason = why if current is None else (f"{current.name}, not {Path(recorded_dir).name}: the text, its "
+                                                  "location or its files' dates changed since the run")
+            log(f"note: the run's data settings no longer lead to its cache ({reason}); "
+                f"evaluating on the run's own cached tokens in {recorded_dir}")
         return verified(PreparedData.open(recorded_dir))
     if not unchanged:
         raise PosbenchError(

@@ -653,3 +653,23 @@ def test_packaged_sample_default_bpe(tmp_path, sample_data):
     assert len(data.encode([" Once upon a time, there was a little girl named Lily."])[0]) <= 14
     logs: list[str] = []
     assert prepare_data(cfg, log=logs.append).dir == data.dir and logs[0].startswith("reusing")
+
+
+def test_the_packaged_sample_is_cached_by_content_not_by_location(tmp_path, monkeypatch):
+    """Every checkout and install shares one sample cache: a copy elsewhere with other mtimes
+    resolves to the same cache directory; a changed byte does not."""
+    import shutil
+
+    from posbench.data import cache_dir_of, sources
+
+    cfg = DataConfig(source="sample", cache_dir=str(tmp_path / "cache"))
+    original = cache_dir_of(cfg)
+    copy = tmp_path / "elsewhere" / "sample"
+    shutil.copytree(sources.SAMPLE_DIR, copy)
+    for f in copy.iterdir():
+        os.utime(f, (1_000_000_000, 1_000_000_000))
+    monkeypatch.setattr(sources, "SAMPLE_DIR", copy)
+    assert cache_dir_of(cfg) == original
+    with open(copy / "valid.txt.gz", "ab") as f:
+        f.write(b"\0")
+    assert cache_dir_of(cfg) != original
