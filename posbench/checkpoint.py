@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from posbench.io import atomic_path, write_text_atomic
+from posbench.io import atomic_path, file_sha256, write_text_atomic
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format_version", "step", "model", "optimizer", "scheduler", "config")
@@ -44,8 +44,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
     """Atomically write ``state`` as the checkpoint of ``state['step']``; keep the newest ``keep``."""
-    from posbench.data.tokenizer import file_sha256
-
     path = checkpoint_dir(run_dir) / f"step_{state['step']:08d}.pt"
     with atomic_path(path) as tmp:
         torch.save({"format_version": FORMAT_VERSION, **state}, tmp)
@@ -64,8 +62,6 @@ def checksum_path(path: Path) -> Path:
 def verify_checksum(path: Path) -> None:
     """Raise ValueError when the checkpoint's bytes differ from those it was written with
     (checkpoints from before sidecars have none and are not checked)."""
-    from posbench.data.tokenizer import file_sha256
-
     try:
         expected = checksum_path(path).read_text().split()[0]
     except FileNotFoundError:

@@ -44,7 +44,7 @@ import math
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -58,8 +58,11 @@ from posbench.compare import (
     summary_csv,
     summary_markdown,
 )
-from posbench.errors import PosbenchError
-from posbench.io import atomic_path, write_text_atomic
+from posbench.errors import PosbenchError, one_line
+from posbench.figures import FORMATS, check_formats, colour_of, new_figure, no_data, save
+from posbench.io import write_text_atomic
+from posbench.plot_extension import plot_extensions
+from posbench.rundir import RunDir
 from posbench.stats import moving_average, pointwise_t_band
 from posbench.results import (
     RESULTS_FILE,
@@ -70,49 +73,11 @@ from posbench.results import (
     read_status,
 )
 
-FORMATS = ("png", "pdf", "svg")
 TRAIN_EMA = 0.8
 HEADLINE_SPLIT = "validation"
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _check_formats(formats: Iterable[str]) -> list[str]:
-    formats = [str(f).lower().lstrip(".") for f in ([formats] if isinstance(formats, str) else formats)]
-    bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats:
-        raise PosbenchError(f"unsupported figure format(s) {bad or formats}; choose from {', '.join(FORMATS)}")
-    return list(dict.fromkeys(formats))
-
-
-def _colour(label: str) -> Any:
-    """A stable colour per group label: a method's registry index, so a method looks the same in
-    every plot; labels of method variants (``rope[base=500]``) get a colour from their name."""
-    from matplotlib import colormaps
-
-    import posbench
-
-    known = posbench.list_methods()
-    index = known.index(label) if label in known else len(known) + sum(map(ord, label)) % 10
-    palette = colormaps["tab10" if len(known) <= 10 else "tab20"]
-    return palette(index % palette.N)
-
-
-def _new_figure(width: float = 8.0, height: float = 5.0):
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), layout="constrained")
-
-
-def _save(fig, out_dir: Path, stem: str, formats: Sequence[str]) -> list[Path]:
-    written = []
-    for fmt in formats:
-        path = out_dir / f"{stem}.{fmt}"
-        with atomic_path(path) as tmp:  # tmp has no suffix, hence the explicit format
-            fig.savefig(tmp, format=fmt, dpi=150)
-        written.append(path)
-    return written
 
 
 def _ema(values: np.ndarray, weight: float = TRAIN_EMA) -> np.ndarray:
@@ -128,12 +93,6 @@ def _ema(values: np.ndarray, weight: float = TRAIN_EMA) -> np.ndarray:
         norm = weight * norm + (1 - weight)
         out[i] = acc / norm
     return out
-
-
-def _no_data(fig, ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
-    ax.set_xticks([])
-    ax.set_yticks([])
 
 
 # --------------------------------------------------------------------------- data selection
@@ -152,7 +111,7 @@ def _common_context(runs: Sequence[RunRecord]) -> int:
 
 def _train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], title: str):
     """``series``: (group label, run name, metrics records) per run."""
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     seeds_per_method = Counter(method for method, _, _ in series)
     labelled: set[str] = set()
@@ -160,7 +119,7 @@ def _train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], 
     for method, _label, metrics in series:
         train = [(r["tokens"], r["loss"]) for r in metrics if _is_num(r.get("tokens")) and _is_num(r.get("loss"))]
         val = [(r["tokens"], r["val_loss"]) for r in metrics if _is_num(r.get("tokens")) and _is_num(r.get("val_loss"))]
-        colour = _colour(method)
+        colour = colour_of(method)
         many = seeds_per_method[method] > 1
         if train:
             x, y = np.array(train, dtype=np.float64).T
@@ -179,7 +138,7 @@ def _train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], 
             ax.plot(vx, vy, "o", color=colour, markersize=3, alpha=0.8)
             values_all.extend(vy[np.isfinite(vy)])
     if not values_all:
-        _no_data(fig, ax, "no training metrics found (metrics.jsonl)")
+        no_data(fig, ax, "no training metrics found (metrics.jsonl)")
         ax.set_title(title)
         return fig
     lo, top = float(np.min(values_all)), float(np.max(values_all))
@@ -221,18 +180,18 @@ def _position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int
                      clip: bool = True):
     """``curves``: group label -> per-seed curves of ``length`` positions; ``windowed`` (same
     keys) adds the like-for-like curves, dashed, past the training context."""
-    fig = _new_figure(9.0, 5.0)
+    fig = new_figure(9.0, 5.0)
     ax = fig.add_subplot()
     window = max(1, length // 64)
     x = np.arange(length)
     context = min(contexts) if contexts else length
     means: dict[str, np.ndarray] = {}
     for label, arrays in curves.items():
-        means[label] = _mean_with_band(ax, x, arrays, _colour(label), _seeds_label(label, len(arrays)), window)
+        means[label] = _mean_with_band(ax, x, arrays, colour_of(label), _seeds_label(label, len(arrays)), window)
         if windowed and windowed.get(label):
             past = x >= context
             smooth = moving_average(np.vstack(windowed[label]).mean(axis=0), window)
-            ax.plot(x[past], smooth[past], color=_colour(label), linewidth=1.0, linestyle="--")
+            ax.plot(x[past], smooth[past], color=colour_of(label), linewidth=1.0, linestyle="--")
     for i, c in enumerate(sorted(set(contexts))):
         if c < length:
             ax.axvline(c, color="black", linestyle=":", linewidth=1, label="training context" if i == 0 else None)
@@ -257,7 +216,7 @@ def _training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]]
     """``series``: group label -> per-seed metrics records; plots ``key`` (``val_loss_<C>_<2C>``)
     against training tokens, mean over seeds at the token counts all of them logged, with a 95 %
     t-interval band. Seed 003's figure: the extrapolation band during training."""
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     drawn = False
     for label, runs in series.items():
@@ -269,12 +228,12 @@ def _training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]]
         if not tokens:  # seeds logged at different token counts: plot each alone
             tokens, points = sorted(points[0]), points[:1]
         arrays = [np.array([p[t] for t in tokens]) for p in points]
-        _mean_with_band(ax, np.array(tokens, dtype=np.float64), arrays, _colour(label),
+        _mean_with_band(ax, np.array(tokens, dtype=np.float64), arrays, colour_of(label),
                         _seeds_label(label, len(arrays)))
-        ax.plot(tokens, np.vstack(arrays).mean(axis=0), "o", color=_colour(label), markersize=3)
+        ax.plot(tokens, np.vstack(arrays).mean(axis=0), "o", color=colour_of(label), markersize=3)
         drawn = True
     if not drawn:
-        _no_data(fig, ax, f"no {key} in metrics.jsonl")
+        no_data(fig, ax, f"no {key} in metrics.jsonl")
     else:
         ax.set_xlabel("training tokens")
         ax.set_ylabel("loss (nats)")
@@ -307,11 +266,11 @@ def _y_limits(means: dict[str, np.ndarray], context: int) -> tuple[float, float,
 
 
 def _band_figure(rows: Sequence[Row], inner: str, headline: str, title: str):
-    fig = _new_figure(max(6.0, 1.1 * len(rows) + 2), 4.5)
+    fig = new_figure(max(6.0, 1.1 * len(rows) + 2), 4.5)
     ax = fig.add_subplot()
     width = 0.38
     for i, row in enumerate(rows):
-        colour = _colour(row.label)
+        colour = colour_of(row.label)
         for offset, band, alpha, hatch in ((-width / 2, inner, 0.45, "//"), (width / 2, headline, 1.0, None)):
             interval = row.intervals.get(f"band:{band}")
             if interval is None:
@@ -383,19 +342,19 @@ def _position_figures(groups: dict[str, list[RunRecord]], out_dir: Path, formats
             stem = "loss_by_position" + suffix + ("" if length == headline_length else f"_{length}")
             fig = _position_figure(curves, contexts, length, f"{title_prefix}Loss by position ({split}, length {length})",
                                    windowed=windowed)
-            written += _save(fig, out_dir, stem, formats)
+            written += save(fig, out_dir, stem, formats)
         longest = lengths[-1]
         cost, contexts = _curves(groups, split, longest, lambda e: (e.get("cost") or {}).get("loss_by_position"))
         if cost:
             fig = _position_figure(cost, contexts, longest, f"{title_prefix}Extrapolation cost ({split}, length "
                                    f"{longest}): full context minus windows of the training context",
                                    ylabel="cost (nats; > 0: the long context hurts)", clip=False)
-            written += _save(fig, out_dir, "cost_by_position" + suffix, formats)
+            written += save(fig, out_dir, "cost_by_position" + suffix, formats)
         cumulative, contexts = _curves(groups, split, longest, lambda e: e.get("cumulative_perplexity"))
         if cumulative:
             fig = _position_figure(cumulative, contexts, longest, f"{title_prefix}Cumulative perplexity P(l) of "
                                    f"positions 0..l ({split}, length {longest})", ylabel="perplexity")
-            written += _save(fig, out_dir, "cumulative_perplexity" + suffix, formats)
+            written += save(fig, out_dir, "cumulative_perplexity" + suffix, formats)
     return written
 
 
@@ -421,7 +380,7 @@ def plot_runs(
     Raises:
         PosbenchError: no valid run at all, or an unsupported format.
     """
-    formats = _check_formats(formats)
+    formats = check_formats(formats)
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     patterns = [str(p) for p in patterns]
@@ -436,7 +395,6 @@ def plot_runs(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from posbench.plot_extension import plot_extensions
 
     extension_files = plot_extensions(runs, out, formats, (splits(runs) or [HEADLINE_SPLIT])[0], log)
     runs = [r.plain() for r in runs]  # the method comparison reads the plain model's entries
@@ -458,15 +416,15 @@ def plot_runs(
 
     files: list[Path] = []
     series = [(label, r.name, r.metrics) for label, rs in groups.items() for r in rs]
-    files += _save(_train_loss_figure(series, "Training loss"), out, "train_loss", formats)
+    files += save(_train_loss_figure(series, "Training loss"), out, "train_loss", formats)
     key = f"val_loss_{context}_{2 * context}"
     if any(key in record for rs in groups.values() for r in rs for record in r.metrics):
         figure = _training_extrapolation_figure({label: [r.metrics for r in rs] for label, rs in groups.items()}, key,
                                                 f"Loss on positions {headline} during training ({key})")
-        files += _save(figure, out, key, formats)
+        files += save(figure, out, key, formats)
     files += _position_figures(groups, out, formats)
     title = f"Loss in and past the training context ({split})"
-    files += _save(_band_figure(comparison.rows, inner, headline, title), out, f"band_{context}_{2 * context}", formats)
+    files += save(_band_figure(comparison.rows, inner, headline, title), out, f"band_{context}_{2 * context}", formats)
     write_text_atomic(out / "bands.md", _bands_markdown(comparison, problems))
     write_text_atomic(out / "bands.csv", summary_csv(comparison.metrics, comparison.rows, comparison.groups))
     write_text_atomic(out / "paired.md", "# Paired differences between methods\n\n" + paired_markdown(comparison.pairs))
@@ -488,11 +446,11 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
 
     Works on a run still in progress (training loss only). Returns the written paths.
     """
-    formats = _check_formats(formats)
+    formats = check_formats(formats)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PosbenchError(f"run directory {run_dir} does not exist")
-    out = run_dir / "figures"
+    out = RunDir(run_dir).figures_dir
     try:
         run: RunRecord | None = RunRecord(path=run_dir, results=read_results(run_dir),
                                           status=read_status(run_dir)).plain()
@@ -502,10 +460,20 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
     method = run.method if run else str(status.get("method") or run_dir.name)
     name = run.name if run else run_dir.name
     metrics = run.metrics if run else read_metrics(run_dir)
-    written = _save(_train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
+    written = save(_train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
     if run is not None:
         written += _position_figures({method: [run]}, out, formats, title_prefix=f"{name}: ")
     return written
 
 
 __all__ = ["FORMATS", "TRAIN_EMA", "plot_runs", "plot_single_run"]
+
+
+def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:
+    """:func:`plot_single_run`, never raising: figures must never cost a finished run its results."""
+    try:
+        written = plot_single_run(run_dir)
+        return [Path(p) for p in (written or [])]
+    except Exception as err:  # figures must never cost a finished run its results
+        log(f"warning: could not draw the run's figures: {one_line(err)}")
+        return []

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
 from posbench.checkpoint import list_checkpoints, load_latest_checkpoint
+from posbench.data import DataConfig, PreparedData, cache_dir_of, prepare_data, tokenize_with
+from posbench.device import autocast_dtype, resolve_device
 from posbench.errors import PosbenchError
-from posbench.io import write_json_atomic
+from posbench.evaluate import evaluate_model
+from posbench.extension import NONE, check_names, resolve_extensions
 from posbench.model import ModelConfig, Transformer, build_model
+from posbench.plot import write_run_figures
+from posbench.results import entry_extension, entry_key, read_results_or_quarantine, write_results
+from posbench.rundir import RunDir
+from posbench.settings import EvalConfig, from_section
+from posbench.spec import data_config
+from posbench.train import finish_run
 
 logger = logging.getLogger("posbench")
-RESULTS_LOCK = ".results.json.lock"  # held while results.json is read, merged and rewritten
 
 
 @dataclass
@@ -49,8 +55,6 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", log: Calla
     model = build_model(ModelConfig.from_dict(state["model_config"]), state["method"], state["method_options"])
     model.load_state_dict(state["model"])
     model.to(device).eval()
-    from posbench.results import read_results_or_quarantine
-
     results = read_results_or_quarantine(path, log)  # a damaged one is set aside and recomputed
     return Run(path, model, OmegaConf.create(state["config"]), results, state["step"], state.get("data_dir"))
 
@@ -66,9 +70,6 @@ def run_data(run: Run, log: Callable[[str], None] = logger.info):
     Anything else is refused: evaluating with another tokenizer would give numbers that are not
     comparable with the run's own.
     """
-    from posbench.data import PreparedData, cache_dir_of, prepare_data
-    from posbench.train import data_config
-
     recorded = (run.results or {}).get("data") or {}
     recorded_dir = recorded.get("dir") or run.data_dir
     recorded_sha = ((recorded.get("meta") or {}).get("tokenizer") or {}).get("sha256")
@@ -115,17 +116,10 @@ def eval_precision(cfg: DictConfig, run: Run) -> str:
 
 def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """``posbench eval``: (re)evaluate a finished run on its own data or on other text."""
-    from posbench.data import DataConfig, tokenize_with
-    from posbench.evaluate import evaluate_model
-    from posbench.extension import NONE, resolve_extensions
-    from posbench.results import entry_extension, entry_key
-    from posbench.results import write_results
-    from posbench.settings import EvalConfig, from_section
-    from posbench.train import autocast_dtype, resolve_device, write_run_figures
-
     if not cfg.get("run"):
         raise PosbenchError("posbench eval needs run=<run directory>")
     evaluation = from_section(EvalConfig, "eval", OmegaConf.to_container(cfg.eval, resolve=True))
+    check_names(evaluation.extension)
     device = resolve_device(str(cfg.get("device", "auto")))
     run = load_run(cfg.run, device=device, log=log)
     train_context = int(run.config.trainer.context)
@@ -142,8 +136,6 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         # Stopped after its final checkpoint (during its final evaluation), or its results.json
         # was damaged: its final evaluation, at these lengths, finishes it (refused while steps
         # remain to train).
-        from posbench.train import finish_run
-
         log(f"{run.path} has no results.json; running its final evaluation from its last checkpoint")
         return finish_run(run.path, run.config, log, device=str(device), evaluation=cfg.eval)
     source = "run"
@@ -153,7 +145,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
                            cache_dir=str(run.config.data.cache_dir))
         prepared = tokenize_with(prepared, other.validate(), log=log)
         source = str(other_path)
-    extensions = resolve_extensions(evaluation.extension, run.model.method_name, log=log)
+    extensions = resolve_extensions(evaluation.extension, run.model.position, log=log)
     entries = evaluate_model(
         run.model, prepared.tokens(evaluation.split), evaluation.lengths, evaluation.num_sequences,
         evaluation.batch_size, train_context, device, split=evaluation.split, log=log,
@@ -166,16 +158,14 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         entry["checkpoint_step"] = run.step
     if other_path:
         # Other text never changes the run's own results.json; it gets a file of its own.
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(other_path).name) or "data"
-        out = run.path / f"eval_{slug}.json"
-        write_json_atomic(out, {"method": run.model.method_name, "data": source, "eval": entries})
+        out = RunDir(run.path).write_other_eval(Path(other_path).name,
+                                                {"method": run.model.method_name, "data": source, "eval": entries})
         log(f"wrote {out}")
         return {"eval": entries, "path": str(out)}
     # Two evals of one run at once: each re-reads results.json under the run's results lock and
     # merges its entries into what is there now, so neither loses the other's lengths.
-    with FileLock(str(run.path / RESULTS_LOCK)):
-        from posbench.results import read_results_or_quarantine
-
+    rundir = RunDir(run.path)
+    with rundir.results_lock():
         results = read_results_or_quarantine(run.path, log)
         if results is None:
             raise PosbenchError(f"{run.path} has no usable results.json; rerun posbench eval run={run.path}")
@@ -192,6 +182,6 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
                                                                 entry_extension(e) != NONE))
         write_results(run.path, results)
         write_run_figures(run.path, log)
-    log(f"updated {run.path / 'results.json'}")
+    log(f"updated {rundir.results_path}")
     return results
 

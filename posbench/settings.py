@@ -205,12 +205,7 @@ class EvalConfig:
                   window_stride=self.window_stride, effective_length_eps=self.effective_length_eps)
         if self.extension_factor is not None and not self.extension_factor >= 1:
             raise PosbenchError(f"eval.extension_factor must be >= 1 (or null for L / C), got {self.extension_factor}")
-        from posbench.extension import NONE, list_extensions
-
-        known = [NONE, "all", *list_extensions()]
-        for name in self.extension:
-            if name not in known:
-                raise PosbenchError(f"unknown eval.extension {name!r}; choose from {', '.join(known)}")
+        # Extension names are checked by posbench.extension.check_names (it owns them).
 
     def check_lengths(self, train_context: int, need_headline: bool) -> None:
         """Refuse lengths below the training context (they have no band at all), and, with
