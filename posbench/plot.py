@@ -52,6 +52,7 @@ from posbench.compare import (
     Comparison,
     Row,
     compare_runs,
+    grouping_notes,
     paired_csv,
     paired_markdown,
     splits,
@@ -65,6 +66,7 @@ from posbench.results import (
     RESULTS_FILE,
     RunRecord,
     discover_runs,
+    finished_runs,
     read_metrics,
     read_results,
     read_status,
@@ -425,7 +427,7 @@ def plot_runs(
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     patterns = [str(p) for p in patterns]
-    runs, problems = discover_runs(patterns)
+    runs, problems = finished_runs(*discover_runs(patterns))  # failed / refused / no results: never in a table
     for path, reason in problems:
         log(f"skipping {path}: {reason}")
     if not runs:
@@ -442,14 +444,8 @@ def plot_runs(
     runs = [r.plain() for r in runs]  # the method comparison reads the plain model's entries
     comparison = compare_runs(runs)
     groups = {label: g.runs for label, g in comparison.groups.items()}
-    for label, group in comparison.groups.items():
-        for seed, count in Counter(str(r.seed) for r in group.runs).items():
-            if count > 1:
-                log(f"note: {count} runs of {label} seed={seed}; each counts as a separate seed")
-    mixed = [m for m, n in Counter(g.method for g in comparison.groups.values()).items() if n > 1]
-    if mixed:
-        log(f"note: runs of {', '.join(mixed)} differ in options, model or context; they are kept apart as "
-            + ", ".join(label for label, g in comparison.groups.items() if g.method in mixed))
+    for note in grouping_notes(comparison.groups):
+        log(note)
     context = comparison.context
     if len({r.train_context for r in runs}) > 1:
         log(f"note: runs have different training contexts; bands are named after each run's own context, "
