@@ -26,13 +26,19 @@
 - ``band_<C>_<2C>.<fmt>`` (``band_256_512``): grouped bars per group of the ``0-C`` and
   ``C-2C`` band means, error bars = 95 % interval (t across seeds; one seed: bootstrap over
   sequences).
-- ``bands.md`` / ``bands.csv``: one row per group (method, options, model, context; see
+- ``bands.md`` / ``bands.csv``: one row per group (runs that differ only by seed; see
   :mod:`posbench.compare`), every band's mean and 95 % interval, the cost per band, PPL ratio,
   cumulative perplexity and effective length, sorted by the headline band; each band comes from
   the shortest evaluated length that contains it. ``bands.md`` also holds the paired differences
   on the headline band and lists missing/failed runs.
 - ``paired.md`` / ``paired.csv``: A - B for every pair of groups, on every band past the context
   (loss and cost), with the paired 95 % interval and whether it excludes 0.
+
+Groups are runs that differ only by seed (:func:`posbench.compare.run_facets`); failed, refused
+and result-less runs are skipped (:func:`posbench.results.finished_runs`). Curves of one run are
+titled "one run per curve", never a mean over seeds. Colours: :func:`line_styles` (a method's
+registry colour in every figure, 20 colours, markers from 11 curves on); legends sit outside the
+axes. The band chart's y-axis starts near the bars when 0 would hide their differences.
 
 Figures are drawn on ``matplotlib.figure.Figure`` objects rendered by Agg (no pyplot, no display,
 no global backend switch) and every file is written atomically.
