@@ -239,3 +239,18 @@ def test_a_failed_or_refused_run_never_enters_the_table(tmp_path: Path) -> None:
     assert "| rope | 2 |" in (tmp_path / "out" / "bands.md").read_text()
     text = sweep_summary(tmp_path / "s", *discover_runs([tmp_path / "s"]))
     assert "Finished (2)" in text and "Failed or missing (3)" in text
+
+
+def test_the_extension_matrix_keeps_unlike_runs_apart(tmp_path: Path) -> None:
+    from posbench.plot_extension import extension_matrix
+
+    runs = []
+    for name, seed, steps in (("a", 0, 400), ("b", 1, 400), ("c", 0, 60)):
+        results = make_run(tmp_path / name, "rope", seed, steps=steps)
+        results["eval"].append({**entry("rope", seed), "extension": "yarn", "extension_factor": 2.0})
+        write_results(tmp_path / name, results)
+        runs += discover_runs([tmp_path / name])[0]
+    _, rows = extension_matrix(runs, "validation")
+    seeds = {(r["method"], r["extension"]): r["seeds"] for r in rows}
+    assert seeds == {("rope[steps=400]", "none"): 2, ("rope[steps=400]", "yarn"): 2,
+                     ("rope[steps=60]", "none"): 1, ("rope[steps=60]", "yarn"): 1}
