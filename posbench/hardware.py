@@ -103,6 +103,9 @@ def device_name(device: torch.device) -> str:
     return cpu_model_name()
 
 
+PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> precision
+
+
 def run_environment(precision: str, amp_dtype: torch.dtype | None, device: torch.device) -> dict[str, object]:
     """What a run computed with (results.json ``environment``, the W&B config, train.log).
 
@@ -111,7 +114,7 @@ def run_environment(precision: str, amp_dtype: torch.dtype | None, device: torch
     said; ``autocast_dtype`` is None for plain fp32.
     """
     return {
-        "precision": "fp32" if amp_dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype, str(amp_dtype)),
+        "precision": PRECISION_NAMES.get(amp_dtype, str(amp_dtype)),
         "configured_precision": precision,
         "autocast_dtype": None if amp_dtype is None else str(amp_dtype).removeprefix("torch."),
         "device": device.type,

@@ -87,7 +87,8 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
     root = Path(sweep_dir)
     lines = [f"# Sweep summary: {root}", "", f"## Finished ({len(runs)})", ""]
     comparison = compare_runs(runs) if runs else None
-    group_of = {} if comparison is None else {str(r.path): label for label, g in comparison.groups.items() for r in g.runs}
+    groups = {} if comparison is None else comparison.groups
+    group_of = {str(r.path): label for label, g in groups.items() for r in g.runs}  # each run's row in the tables
     if runs:
         lines += ["| job | method | seed | group | headline band | loss |", "|---|---|---|---|---|---:|"]
         for run in runs:

@@ -637,7 +637,8 @@ class Trainer:
             self.cfg.logger, run_dir=self.run_dir, run_name=spec.run_name,
             group=wandb_group(str(self.cfg.get("experiment_name", "default"))),
             tags=[spec.method, f"model-{spec.model.flavour}"],
-            config={**OmegaConf.to_container(self.cfg, resolve=True), "environment": self.environment}, rank=self.dist_info.rank, log=self.log,
+            config={**OmegaConf.to_container(self.cfg, resolve=True), "environment": self.environment},
+            rank=self.dist_info.rank, log=self.log,
         )
 
     def autocast(self) -> Any:

@@ -254,3 +254,15 @@ def test_the_extension_matrix_keeps_unlike_runs_apart(tmp_path: Path) -> None:
     seeds = {(r["method"], r["extension"]): r["seeds"] for r in rows}
     assert seeds == {("rope[steps=400]", "none"): 2, ("rope[steps=400]", "yarn"): 2,
                      ("rope[steps=60]", "none"): 1, ("rope[steps=60]", "yarn"): 1}
+
+
+def test_precision_of_older_results(tmp_path: Path) -> None:
+    """Without ``environment``: an explicit trainer.precision is what ran; auto is unknown."""
+    make_run(tmp_path / "fp32", "rope", 0)
+    (tmp_path / "fp32" / "config.yaml").write_text("trainer:\n  precision: fp32\n")
+    make_run(tmp_path / "auto", "rope", 1)
+    (tmp_path / "auto" / "config.yaml").write_text("trainer:\n  precision: auto\n")
+    make_run(tmp_path / "broken", "rope", 2)
+    (tmp_path / "broken" / "config.yaml").write_text("trainer: [unclosed\n")  # unreadable: no crash
+    runs = {r.path.name: r for r in discover_runs([tmp_path])[0]}
+    assert {name: r.precision for name, r in runs.items()} == {"fp32": "fp32", "auto": "unknown", "broken": "unknown"}
