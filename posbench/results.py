@@ -191,6 +191,24 @@ def read_refusal(run_dir: str | os.PathLike) -> str | None:
     return str(record.get("error")) if isinstance(record, dict) else "refused"
 
 
+def finished_runs(runs: Iterable[RunRecord], problems: Iterable[tuple[str, str]]
+                  ) -> tuple[list[RunRecord], list[tuple[str, str]]]:
+    """The runs a comparison may show, and the rest as problems (sorted). Left out, beside what
+    :func:`discover_runs` already leaves out (failed, running, interrupted, corrupt): a run whose
+    last start was refused (its results.json is an earlier run's; see ``REFUSED_FILE``) and a
+    results.json with no evaluation of the plain model (no final results)."""
+    kept, dropped = [], []
+    for run in runs:
+        if (why := read_refusal(run.path)) is not None:
+            dropped.append((str(run.path), f"refused (its earlier results are kept): {why}"))
+        elif not plain_entries(run.results["eval"]):
+            dropped.append((str(run.path), "no final results: its results.json holds no evaluation of the model"))
+        else:
+            kept.append(run)
+    problems = [(path, f"refused: {why}" if (why := read_refusal(path)) else reason) for path, reason in problems]
+    return kept, sorted(problems + dropped)
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of ``<run_dir>/metrics.jsonl`` ([] when absent).
 
@@ -212,6 +230,17 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
             if isinstance(record, dict):
                 records.append(record)
     return records
+
+
+def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """``<run_dir>/config.yaml`` as a dict ({} when missing or unreadable)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def write_status(run_dir: str | os.PathLike, status: str, error: str | None = None, **extra: Any) -> Path:
@@ -245,6 +274,7 @@ class RunRecord:
     results: dict[str, Any]
     status: dict[str, Any] | None = None
     _metrics: list[dict[str, Any]] | None = field(default=None, repr=False)
+    _config: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def method(self) -> str:
@@ -261,7 +291,24 @@ class RunRecord:
     def plain(self) -> "RunRecord":
         """The same run with only its plain eval entries (what the method comparisons read)."""
         results = {**self.results, "eval": plain_entries(self.results["eval"])}
-        return RunRecord(self.path, results, self.status, self._metrics)
+        return RunRecord(self.path, results, self.status, self._metrics, self._config)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's resolved ``config.yaml`` ({} when absent or unreadable)."""
+        if self._config is None:
+            self._config = read_config(self.path)
+        return self._config
+
+    @property
+    def precision(self) -> str:
+        """The precision the run trained in (``bf16``, ``fp32``), or ``unknown`` for results.json
+        files from before posbench recorded it (``environment``) under ``trainer.precision=auto``."""
+        recorded = (self.results.get("environment") or {}).get("precision")
+        if recorded:
+            return str(recorded)
+        configured = str((self.config.get("trainer") or {}).get("precision") or "auto")
+        return configured if configured in ("fp32", "bf16") else "unknown"
 
     @property
     def name(self) -> str:

@@ -37,10 +37,11 @@ from posbench.checkpoint import load_latest_checkpoint, rng_state, save_checkpoi
 from posbench.config import check_top_level_keys
 from posbench.distributed import DistInfo, any_rank, barrier, init_distributed, mean_across_ranks, shutdown
 from posbench.errors import PosbenchError, one_line
+from posbench.hardware import environment_line, run_environment
 from posbench.io import write_json_atomic, write_text_atomic
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.positions import TrainingPositions, randomize_max_from_config
-from posbench.settings import EvalConfig, TrainerConfig, from_section
+from posbench.settings import RESULT_SETTINGS, EvalConfig, TrainerConfig, from_section
 
 logger = logging.getLogger("posbench")
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -628,12 +629,16 @@ class Trainer:
         if use_compile:
             self.model = torch.compile(self.model)
         self.amp_dtype = autocast_dtype(t.precision, self.device)
+        self.environment = run_environment(t.precision, self.amp_dtype, self.device)  # results.json, W&B
+        if self.is_main:
+            self.log(environment_line(self.environment))
         self.val_sets = validation_sets(self.prepared, self.raw_model, t, self.log) if self.is_main else {}
         self.run_logger = make_logger(
             self.cfg.logger, run_dir=self.run_dir, run_name=spec.run_name,
             group=wandb_group(str(self.cfg.get("experiment_name", "default"))),
             tags=[spec.method, f"model-{spec.model.flavour}"],
-            config=OmegaConf.to_container(self.cfg, resolve=True), rank=self.dist_info.rank, log=self.log,
+            config={**OmegaConf.to_container(self.cfg, resolve=True), "environment": self.environment},
+            rank=self.dist_info.rank, log=self.log,
         )
 
     def autocast(self) -> Any:
@@ -879,6 +884,7 @@ class Trainer:
             results["method_options"] = spec.method_options
             results["data"] = {"dir": str(self.prepared.dir), "meta": self.prepared.meta}
             results["versions"] = versions()
+            results["environment"] = self.environment
             from filelock import FileLock
 
             from posbench.runs import RESULTS_LOCK
@@ -980,11 +986,6 @@ def load_resume_state(run_dir: Path, info: DistInfo, log: Callable[[str], None])
     if info.is_main or box[0] is None:
         return state
     return read_checkpoint(Path(box[0])) | {"path": box[0]}
-
-
-# Trainer settings that change what a run computes (the step count may grow on resume).
-RESULT_SETTINGS = ("context", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-                   "beta1", "beta2", "grad_clip", "precision")
 
 
 def check_resumable(state: dict[str, Any], spec: RunSpec, total_steps: int, run_dir: Path,
