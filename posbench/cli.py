@@ -58,7 +58,7 @@ def _prepare(cfg: DictConfig) -> Any:
     from posbench.train import data_config
 
     start = time.perf_counter()
-    prepared = prepare_data(data_config(cfg.data), log=logger.info)
+    prepared = prepare_data(data_config(cfg.data).check_path_is_read(), log=logger.info)
     counts = ", ".join(f"{split} {prepared.num_tokens(split):,} tokens"
                        for split in ("train", "validation", "test") if prepared.has_split(split))
     logger.info("prepared %s in %.1f s: %s (vocab %d)", prepared.dir, time.perf_counter() - start, counts,
