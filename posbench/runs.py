@@ -12,7 +12,7 @@ import torch
 from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.checkpoint import list_checkpoints, load_latest_checkpoint
+from posbench.checkpoint import list_checkpoints, load_latest_checkpoint, load_model_weights
 from posbench.errors import PosbenchError
 from posbench.io import write_json_atomic
 from posbench.model import ModelConfig, Transformer, build_model
@@ -47,7 +47,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", log: Calla
     if state is None:
         raise PosbenchError(f"every checkpoint in {path / 'checkpoints'} is damaged; retrain this run")
     model = build_model(ModelConfig.from_dict(state["model_config"]), state["method"], state["method_options"])
-    model.load_state_dict(state["model"])
+    load_model_weights(model, state, path)
     model.to(device).eval()
     from posbench.results import read_results_or_quarantine
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state, list_checkpoints
+from posbench.checkpoint import load_latest_checkpoint, load_model_weights, rng_state, save_checkpoint, set_rng_state, list_checkpoints
 from posbench.config import check_top_level_keys
 from posbench.distributed import DistInfo, any_rank, barrier, init_distributed, mean_across_ranks, shutdown
 from posbench.errors import PosbenchError, one_line
@@ -577,7 +577,7 @@ class Trainer:
             else:
                 check_resumable(state, self.spec, self.total_steps, self.run_dir, data_identity(self.prepared),
                                 self.train_positions.randomize_max)
-                self.raw_model.load_state_dict(state["model"])
+                load_model_weights(self.raw_model, state, self.run_dir)
                 self.optimizer.load_state_dict(state["optimizer"])
                 self.scheduler.load_state_dict(state["scheduler"])
                 set_rng_state(state["rng"])
