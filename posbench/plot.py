@@ -253,6 +253,15 @@ def _position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int
     return fig
 
 
+def validation_subset(runs: list[RunRecord], key: str) -> str:
+    """How many held-out windows the runs' in-training ``key`` was measured on: a seeded subset
+    spread over the validation text (see train.validation_sets), not the final evaluation's."""
+    counts = sorted({int(n) for r in runs if (n := (r.results["train"].get("validation_windows") or {}).get(key))})
+    if not counts:  # runs from before the subset was recorded: their first held-out windows
+        return "a validation subset"
+    return f"subset of {'/'.join(map(str, counts))} held-out windows"
+
+
 def _training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]], key: str, title: str):
     """``series``: group label -> per-seed metrics records; plots ``key`` (``val_loss_<C>_<2C>``)
     against training tokens, mean over seeds at the token counts all of them logged, with a 95 %
@@ -462,7 +471,8 @@ def plot_runs(
     key = f"val_loss_{context}_{2 * context}"
     if any(key in record for rs in groups.values() for r in rs for record in r.metrics):
         figure = _training_extrapolation_figure({label: [r.metrics for r in rs] for label, rs in groups.items()}, key,
-                                                f"Loss on positions {headline} during training ({key})")
+                                                f"Loss on positions {headline} during training ({key}, "
+                                                f"{validation_subset(runs, key)})")
         files += _save(figure, out, key, formats)
     files += _position_figures(groups, out, formats)
     title = f"Loss in and past the training context ({split})"

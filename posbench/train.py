@@ -432,11 +432,15 @@ def validation_sets(prepared: Any, model: Transformer, t: TrainerConfig,
                     log: Callable[[str], None]) -> dict[str, torch.Tensor]:
     """Fixed validation windows, by metrics.jsonl key: ``val_loss`` (``trainer.val_sequences``
     windows of the training context C) and ``val_loss_<C>_<2C>`` (the C-2C band of
-    ``trainer.val_extrapolation_sequences`` windows of 2C: extrapolation during training)."""
-    from posbench.data.loader import eval_sequences
+    ``trainer.val_extrapolation_sequences`` windows of 2C: extrapolation during training).
+
+    Each is a seeded subset spread over the whole validation text (``spread_sequences``): the
+    same windows for every method and seed of a data setting, an estimate of the full set's
+    mean (not the first windows, which read easier). The final evaluation uses its own windows."""
+    from posbench.data.loader import spread_sequences
 
     valid, context = prepared.valid_tokens(), t.context
-    sets = {"val_loss": eval_sequences(valid, context, t.val_sequences)}
+    sets = {"val_loss": spread_sequences(valid, context, t.val_sequences)}
     key = f"val_loss_{context}_{2 * context}"
     limit = model.position.max_positions
     if t.val_extrapolation_sequences and limit is not None and 2 * context > limit:
@@ -444,7 +448,7 @@ def validation_sets(prepared: Any, model: Transformer, t: TrainerConfig,
             f"(raise method.max_positions to {2 * context})")
     elif t.val_extrapolation_sequences:
         try:
-            sets[key] = eval_sequences(valid, 2 * context, t.val_extrapolation_sequences)
+            sets[key] = spread_sequences(valid, 2 * context, t.val_extrapolation_sequences)
         except PosbenchError as err:
             log(f"note: no {key} during training: {err}")
     return sets
@@ -871,6 +875,8 @@ class Trainer:
                 "tokens_per_second": train_tokens / max(self.wall - self.overhead_total, 1e-9),
                 "wall_seconds": self.wall, "overhead_seconds": self.overhead_total, "device": self.device.type,
                 "world_size": self.dist_info.world_size, "resumed_from_step": self.start_step or None,
+                # The in-training validation subsets (metrics.jsonl keys -> windows; see validation_sets).
+                "validation_windows": {name: int(rows.shape[0]) for name, rows in self.val_sets.items()},
             }
             results["run_name"] = spec.run_name
             results["method"] = self.train_positions.label  # rope+rand2048 stays apart from rope in tables
