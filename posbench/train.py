@@ -1080,9 +1080,9 @@ def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:
 
 
 def headline(results: dict[str, Any], band: str = "256-512") -> float:
-    from posbench.results import plain_entries
+    from posbench.results import headline_entries
 
-    for entry in plain_entries(results.get("eval", [])):
+    for entry in headline_entries(results.get("eval", [])):
         if band in entry.get("bands", {}):
             return float(entry["bands"][band])
     return float("nan")
