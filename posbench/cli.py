@@ -48,7 +48,8 @@ def _plot(cfg: DictConfig) -> Any:
     runs = cfg.runs if not isinstance(cfg.runs, str) else [cfg.runs]
     if not runs:
         raise PosbenchError("posbench plot needs runs=<run or sweep dir, or glob>[,...]")
-    return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info)
+    return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info,
+                     variant=cfg.get("variant"))
 
 
 def _prepare(cfg: DictConfig) -> Any:

@@ -413,6 +413,7 @@ def plot_runs(
     out_dir: str | os.PathLike,
     formats: Sequence[str] = ("png",),
     log: Callable[[str], Any] = print,
+    variant: str | None = None,
 ) -> dict[str, Any]:
     """Build every comparison figure and the band tables from saved runs.
 
@@ -421,6 +422,8 @@ def plot_runs(
         out_dir: where figures and tables go (created if needed).
         formats: any of ``png``, ``pdf``, ``svg``; each figure is written once per format.
         log: called with one line per skipped run and notes, and a final line naming ``out_dir``.
+        variant: plot each run's entries of this ``eval_variants`` label (``RunRecord.variant``)
+            instead of its own; a run without it is refused in one line.
 
     Returns:
         ``{"out_dir", "files", "runs", "methods": {method: n_runs}, "headline_band", "problems"}``
@@ -443,6 +446,13 @@ def plot_runs(
             f"contain a valid {RESULTS_FILE} (written when `posbench train` finishes), with metrics.jsonl "
             "and status.json; pass run dirs, sweep dirs or globs"
         )
+    if variant:
+        lacking = [str(r.path) for r in runs if not any(v.get("variant") == variant
+                                                        for v in r.results.get("eval_variants", []))]
+        if lacking:
+            raise PosbenchError(f"no eval_variants entries labelled {variant!r} in {', '.join(lacking)}; "
+                                "drop variant= or use a label their results.json eval_variants holds")
+        runs = [r.variant(variant) for r in runs]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from posbench.plot_extension import plot_extensions

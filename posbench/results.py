@@ -355,6 +355,20 @@ class RunRecord:
         results = {**self.results, "eval": plain_entries(self.results["eval"])}
         return RunRecord(self.path, results, self.status, self._metrics)
 
+    def variant(self, label: str) -> "RunRecord":
+        """The run as measured under ``label`` (an ``eval_variants`` label, e.g. ``num_sequences=64``,
+        see :func:`merge_eval_entries`): those entries, plus the run's own at lengths the variant
+        lacks (which ``posbench eval`` measured the same way, having nothing to compare them with).
+        Raises ``KeyError`` when the run has no entry of that label."""
+        chosen = [e for e in self.results.get("eval_variants", []) if e.get("variant") == label]
+        if not chosen:
+            raise KeyError(label)
+        covered = {(e["split"], e["length"]) for e in chosen}
+        own = [e for e in self.results["eval"] if (e["split"], e["length"]) not in covered]
+        results = {**self.results, "eval": sorted(own + chosen, key=lambda e: (e["split"] != "validation", e["length"],
+                                                                               entry_extension(e) != "none"))}
+        return RunRecord(self.path, results, self.status, self._metrics)
+
     @property
     def name(self) -> str:
         return str(self.results.get("run_name") or self.path.name)

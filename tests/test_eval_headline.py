@@ -261,3 +261,27 @@ def test_a_bad_rope_base_names_method_base(base):
     with pytest.raises(PosbenchError, match=r"method=rope .*method.base=.* must be a number > 1") as err:
         build_spec(compose_config("train", [*QUICK_TRAIN, "method=rope", f"method.base={base}"]))
     assert "lr" not in str(err.value)
+
+
+def test_plot_and_extension_table_read_a_variant_when_asked(rope_run, tmp_path):
+    """The README's worked example evaluates extensions on 2 windows (a variant) and a new length:
+    `plot variant=num_sequences=2` and scripts/extension_table.py draw those, paired per length."""
+    import runpy
+
+    from posbench.plot import plot_runs
+
+    run_eval(rope_run, "eval.extension=[none,ntk,yarn]", "eval.num_sequences=2", "eval.lengths=[64,128]")
+    out = tmp_path / "figs"
+    plot_runs([str(rope_run)], str(out), formats=("png",), log=QUIET, variant="num_sequences=2")
+    table = (out / "extensions.md").read_text()
+    assert "| rope | yarn | 1 |" in table and "| rope | ntk | 1 |" in table
+    view = json.loads(json.dumps(results_of(rope_run)))
+    from posbench.results import RunRecord
+
+    entries = RunRecord(rope_run, view).variant("num_sequences=2").results["eval"]
+    assert [(e["length"], e["extension"], e["num_sequences"]) for e in entries] == [
+        (length, ext, 2) for length in (64, 128) for ext in ("none", "ntk", "yarn")]
+    main = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "extension_table.py"))["main"]
+    assert "| yarn |" in main(str(rope_run), "num_sequences=2")
+    with pytest.raises(PosbenchError, match="no eval_variants entries labelled 'num_sequences=3'"):
+        plot_runs([str(rope_run)], str(out), formats=("png",), log=QUIET, variant="num_sequences=3")
