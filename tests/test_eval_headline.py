@@ -195,7 +195,8 @@ def test_validation_subset_mean_estimates_the_full_band_on_the_sample(tmp_path):
     subset, first = band(spread_sequences(valid, 512, 8)), band(eval_sequences(valid, 512, 8))
     tolerance = 3 * full.std(ddof=1) / np.sqrt(8)
     assert abs(subset.mean() - full.mean()) < tolerance, (subset.mean(), full.mean(), tolerance)
-    assert abs(first.mean() - full.mean()) > abs(subset.mean() - full.mean())
+    # Measured: all 6.010 (sd 0.243 per window), subset 6.006, first 8 windows 5.710 (3.5 standard errors off).
+    assert abs(first.mean() - full.mean()) > tolerance
 
 
 def test_validation_windows_are_recorded_and_named_in_the_training_figure(rope_run):
