@@ -34,15 +34,15 @@ def results_of(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def rope_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished tiny rope run (trained once per module; tests get copies of it)."""
     run_dir = tmp_path_factory.mktemp("rope") / "run"
-    run_train(run_dir, "method=rope")
+    assert run_train(run_dir, "method=rope")["eval"][0]["num_sequences"] == 4  # the run's own windows
     return run_dir
 
 
 @pytest.fixture
 def rope_run(rope_once: Path, tmp_path: Path) -> Path:
-    """A finished tiny rope run of its own for each test (a copy: training once is enough)."""
-    return Path(shutil.copytree(rope_once, tmp_path / "run"))
+    return Path(shutil.copytree(rope_once, tmp_path / "run"))  # each test changes its own copy
 
 
 # ----------------------------------------------------------------------------- item 1
