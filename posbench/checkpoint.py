@@ -117,6 +117,30 @@ def load_latest_checkpoint(
     return None
 
 
+def load_model_weights(model: torch.nn.Module, state: dict[str, Any], run_dir: Path) -> None:
+    """Load a checkpoint's weights into ``model``, refusing in one line (a PosbenchError naming
+    the missing, unexpected and reshaped parameters) a checkpoint from other model code: the
+    method's code changed since the run was trained."""
+    from posbench.errors import PosbenchError
+
+    saved, ours = state["model"], model.state_dict()
+    missing = sorted(set(ours) - set(saved))
+    unexpected = sorted(set(saved) - set(ours))
+    reshaped = sorted(k for k in set(ours) & set(saved) if tuple(ours[k].shape) != tuple(saved[k].shape))
+    if missing or unexpected or reshaped:
+        def shown(keys: list[str]) -> str:
+            return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "")
+
+        parts = [f"{label} {shown(keys)}" for label, keys in
+                 (("missing", missing), ("unexpected", unexpected), ("with another shape", reshaped)) if keys]
+        raise PosbenchError(
+            f"the checkpoint {state.get('path', checkpoint_dir(run_dir))} does not fit the {state.get('method')} model "
+            f"of this posbench ({'; '.join(parts)}): the method's code changed since the run was trained; "
+            f"re-train the run, or use the posbench version it was trained with (its results.json 'versions')"
+        )
+    model.load_state_dict(saved)
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

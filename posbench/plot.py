@@ -321,6 +321,15 @@ def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int]
     return fig
 
 
+def validation_subset(runs: list[RunRecord], key: str) -> str:
+    """How many held-out windows the runs' in-training ``key`` was measured on: a seeded subset
+    spread over the validation text (see train.validation_sets), not the final evaluation's."""
+    counts = sorted({int(n) for r in runs if (n := (r.results["train"].get("validation_windows") or {}).get(key))})
+    if not counts:  # runs from before the subset was recorded: their first held-out windows
+        return "a validation subset"
+    return f"subset of {'/'.join(map(str, counts))} held-out windows"
+
+
 def training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]], key: str, title: str):
     """``series``: group label -> per-seed metrics records; plots ``key`` (``val_loss_<C>_<2C>``)
     against training tokens, mean over seeds at the token counts all of them logged, with a 95 %
@@ -488,6 +497,7 @@ def plot_runs(
     out_dir: str | os.PathLike,
     formats: Sequence[str] = ("png",),
     log: Callable[[str], Any] = print,
+    variant: str | None = None,
 ) -> dict[str, Any]:
     """Build every comparison figure and the band tables from saved runs.
 
@@ -496,6 +506,8 @@ def plot_runs(
         out_dir: where figures and tables go (created if needed).
         formats: any of ``png``, ``pdf``, ``svg``; each figure is written once per format.
         log: called with one line per skipped run and notes, and a final line naming ``out_dir``.
+        variant: plot each run's entries of this ``eval_variants`` label (``RunRecord.variant``)
+            instead of its own; a run without it is refused in one line.
 
     Returns:
         ``{"out_dir", "files", "runs", "methods": {method: n_runs}, "headline_band", "problems"}``
@@ -518,6 +530,13 @@ def plot_runs(
             f"contain a valid {RESULTS_FILE} (written when `posbench train` finishes), with metrics.jsonl "
             "and status.json; pass run dirs, sweep dirs or globs"
         )
+    if variant:
+        lacking = [str(r.path) for r in runs if not any(v.get("variant") == variant
+                                                        for v in r.results.get("eval_variants", []))]
+        if lacking:
+            raise PosbenchError(f"no eval_variants entries labelled {variant!r} in {', '.join(lacking)}; "
+                                "drop variant= or use a label their results.json eval_variants holds")
+        runs = [r.variant(variant) for r in runs]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from posbench.plot_extension import plot_extensions
@@ -540,7 +559,8 @@ def plot_runs(
     key = f"val_loss_{context}_{2 * context}"
     if any(key in record for rs in groups.values() for r in rs for record in r.metrics):
         figure = training_extrapolation_figure({label: [r.metrics for r in rs] for label, rs in groups.items()}, key,
-                                                f"Loss on positions {headline} during training ({key})")
+                                                f"Loss on positions {headline} during training ({key}, "
+                                                f"{validation_subset(runs, key)})")
         files += _save(figure, out, key, formats)
     files += _position_figures(groups, out, formats)
     title = f"Loss in and past the training context ({split})"

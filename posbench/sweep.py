@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from posbench.compare import compare_runs, grouping_notes, paired_markdown, summary_markdown
 from posbench.io import write_text_atomic
-from posbench.results import RunRecord, discover_runs, finished_runs, plain_entries
+from posbench.results import RunRecord, discover_runs, finished_runs, headline_entries
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
         lines += ["| job | method | seed | group | headline band | loss |", "|---|---|---|---|---|---:|"]
         for run in runs:
             band = f"{run.train_context}-{2 * run.train_context}"
-            value = next((e["bands"][band] for e in sorted(plain_entries(run.results["eval"]), key=lambda e: e["length"])
+            value = next((e["bands"][band] for e in sorted(headline_entries(run.results["eval"]), key=lambda e: e["length"])
                           if band in e["bands"]), None)
             shown = "-" if value is None else f"{value:.4f}"
             lines.append(f"| `{_relative(run.path, root)}` | {run.method} | {run.seed} | {group_of[str(run.path)]} | "

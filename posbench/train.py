@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.checkpoint import load_latest_checkpoint, rng_state, save_checkpoint, set_rng_state, list_checkpoints
+from posbench.checkpoint import load_latest_checkpoint, load_model_weights, rng_state, save_checkpoint, set_rng_state, list_checkpoints
 from posbench.config import check_top_level_keys
 from posbench.distributed import DistInfo, any_rank, barrier, init_distributed, mean_across_ranks, shutdown
 from posbench.errors import PosbenchError, one_line
@@ -123,7 +123,7 @@ def build_spec(cfg: DictConfig) -> RunSpec:
             f"method={method} supports positions up to {probe.max_positions} but eval/training "
             f"needs {longest}; raise method.max_positions to at least {longest}"
         )
-    return RunSpec(trainer, evaluation, model, method, options, data_config(cfg.data), seed,
+    return RunSpec(trainer, evaluation, model, method, options, data_config(cfg.data).check_path_is_read(), seed,
                    str(cfg.get("run_name", f"{method}-s{seed}")))
 
 
@@ -433,11 +433,15 @@ def validation_sets(prepared: Any, model: Transformer, t: TrainerConfig,
                     log: Callable[[str], None]) -> dict[str, torch.Tensor]:
     """Fixed validation windows, by metrics.jsonl key: ``val_loss`` (``trainer.val_sequences``
     windows of the training context C) and ``val_loss_<C>_<2C>`` (the C-2C band of
-    ``trainer.val_extrapolation_sequences`` windows of 2C: extrapolation during training)."""
-    from posbench.data.loader import eval_sequences
+    ``trainer.val_extrapolation_sequences`` windows of 2C: extrapolation during training).
+
+    Each is a seeded subset spread over the whole validation text (``spread_sequences``): the
+    same windows for every method and seed of a data setting, an estimate of the full set's
+    mean (not the first windows, which read easier). The final evaluation uses its own windows."""
+    from posbench.data.loader import spread_sequences
 
     valid, context = prepared.valid_tokens(), t.context
-    sets = {"val_loss": eval_sequences(valid, context, t.val_sequences)}
+    sets = {"val_loss": spread_sequences(valid, context, t.val_sequences)}
     key = f"val_loss_{context}_{2 * context}"
     limit = model.position.max_positions
     if t.val_extrapolation_sequences and limit is not None and 2 * context > limit:
@@ -445,7 +449,7 @@ def validation_sets(prepared: Any, model: Transformer, t: TrainerConfig,
             f"(raise method.max_positions to {2 * context})")
     elif t.val_extrapolation_sequences:
         try:
-            sets[key] = eval_sequences(valid, 2 * context, t.val_extrapolation_sequences)
+            sets[key] = spread_sequences(valid, 2 * context, t.val_extrapolation_sequences)
         except PosbenchError as err:
             log(f"note: no {key} during training: {err}")
     return sets
@@ -578,7 +582,7 @@ class Trainer:
             else:
                 check_resumable(state, self.spec, self.total_steps, self.run_dir, data_identity(self.prepared),
                                 self.train_positions.randomize_max)
-                self.raw_model.load_state_dict(state["model"])
+                load_model_weights(self.raw_model, state, self.run_dir)
                 self.optimizer.load_state_dict(state["optimizer"])
                 self.scheduler.load_state_dict(state["scheduler"])
                 set_rng_state(state["rng"])
@@ -876,6 +880,8 @@ class Trainer:
                 "tokens_per_second": train_tokens / max(self.wall - self.overhead_total, 1e-9),
                 "wall_seconds": self.wall, "overhead_seconds": self.overhead_total, "device": self.device.type,
                 "world_size": self.dist_info.world_size, "resumed_from_step": self.start_step or None,
+                # The in-training validation subsets (metrics.jsonl keys -> windows; see validation_sets).
+                "validation_windows": {name: int(rows.shape[0]) for name, rows in self.val_sets.items()},
             }
             results["run_name"] = spec.run_name
             results["method"] = self.train_positions.label  # rope+rand2048 stays apart from rope in tables
@@ -1075,9 +1081,9 @@ def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:
 
 
 def headline(results: dict[str, Any], band: str = "256-512") -> float:
-    from posbench.results import plain_entries
+    from posbench.results import headline_entries
 
-    for entry in plain_entries(results.get("eval", [])):
+    for entry in headline_entries(results.get("eval", [])):
         if band in entry.get("bands", {}):
             return float(entry["bands"][band])
     return float("nan")
