@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from posbench.errors import PosbenchError
 from posbench.io import atomic_path, file_sha256, write_text_atomic
 
 FORMAT_VERSION = 1
@@ -111,6 +112,28 @@ def load_latest_checkpoint(
             else:
                 log(f"checkpoint {path} {err}; trying the previous one")
     return None
+
+
+def load_model_weights(model: torch.nn.Module, state: dict[str, Any], run_dir: Path) -> None:
+    """Load a checkpoint's weights into ``model``, refusing in one line (a PosbenchError naming
+    the missing, unexpected and reshaped parameters) a checkpoint from other model code: the
+    method's code changed since the run was trained."""
+    saved, ours = state["model"], model.state_dict()
+    missing = sorted(set(ours) - set(saved))
+    unexpected = sorted(set(saved) - set(ours))
+    reshaped = sorted(k for k in set(ours) & set(saved) if tuple(ours[k].shape) != tuple(saved[k].shape))
+    if missing or unexpected or reshaped:
+        def shown(keys: list[str]) -> str:
+            return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "")
+
+        parts = [f"{label} {shown(keys)}" for label, keys in
+                 (("missing", missing), ("unexpected", unexpected), ("with another shape", reshaped)) if keys]
+        raise PosbenchError(
+            f"the checkpoint {state.get('path', checkpoint_dir(run_dir))} does not fit the {state.get('method')} model "
+            f"of this posbench ({'; '.join(parts)}): the method's code changed since the run was trained; "
+            f"re-train the run, or use the posbench version it was trained with (its results.json 'versions')"
+        )
+    model.load_state_dict(saved)
 
 
 def rng_state() -> dict[str, Any]:

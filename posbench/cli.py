@@ -48,7 +48,8 @@ def _plot(cfg: DictConfig) -> Any:
     runs = cfg.runs if not isinstance(cfg.runs, str) else [cfg.runs]
     if not runs:
         raise PosbenchError("posbench plot needs runs=<run or sweep dir, or glob>[,...]")
-    return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info)
+    return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info,
+                     variant=cfg.get("variant"))
 
 
 def _prepare(cfg: DictConfig) -> Any:
@@ -58,7 +59,7 @@ def _prepare(cfg: DictConfig) -> Any:
     from posbench.spec import data_config
 
     start = time.perf_counter()
-    prepared = prepare_data(data_config(cfg.data), log=logger.info)
+    prepared = prepare_data(data_config(cfg.data).check_path_is_read(), log=logger.info)
     counts = ", ".join(f"{split} {prepared.num_tokens(split):,} tokens"
                        for split in ("train", "validation", "test") if prepared.has_split(split))
     logger.info("prepared %s in %.1f s: %s (vocab %d)", prepared.dir, time.perf_counter() - start, counts,

@@ -1,9 +1,15 @@
 """Comparison tables across runs: groups, per-group means with 95 % intervals, paired differences.
 
-Runs are grouped by what makes them the same experiment: (method, method options, model, training
-context). Seeds of one group are pooled; groups that differ only in, say, ``method.base`` stay
-apart and are labelled by what differs (``rope[base=500]``, ``rope[base=10000]``), so a table
-never averages two different models into one row.
+A group holds the runs that differ only by seed (:func:`run_facets` lists what else must agree):
+method and options, model, training context, training budget (steps, tokens) and the trainer
+settings that change a result (``posbench.settings.RESULT_SETTINGS``), the resolved precision
+(``bf16``/``fp32``; ``unknown`` for results.json files from before posbench recorded it), the
+data (tokenizer and token streams by checksum) and the evaluation windows (``sequences_sha256``
+of every training-time entry). Seeds of one group are pooled; groups that differ in anything
+else stay apart and are labelled by what differs (``rope[steps=60]``, ``rope[base=500]``), so a
+table never averages two different experiments into one row. Two runs of one group with the
+same seed are the same experiment twice, never two seeds: the repeat goes to a group of its own,
+labelled ``copy 2`` (by path order), and :func:`grouping_notes` says so.
 
 Every number is taken per run and then summarised with :mod:`posbench.stats`: a t-interval across
 seeds (>= 2 runs) or a bootstrap over the sequences of the single run. Bands come from the
@@ -14,6 +20,7 @@ length (cumulative perplexity, effective length) are named after it.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import math
@@ -24,7 +31,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from posbench.methods import list_methods
-from posbench.results import RunRecord
+from posbench.results import RunRecord, plain_entries
+from posbench.settings import RESULT_SETTINGS
 from posbench.stats import Interval, across_runs, paired_difference
 
 HEADLINE_SPLIT = "validation"
@@ -35,22 +43,62 @@ _MODEL_RESULT_KEYS = {"parameters", "non_embedding_parameters"}
 
 @dataclass
 class Group:
-    """Runs of one (method, options, model, context): its seeds."""
+    """Runs that differ only by seed (see :func:`run_facets`), one run per seed."""
 
     label: str
     method: str
     facets: dict[str, Any]
     runs: list[RunRecord] = field(default_factory=list)
+    copy: int = 1
+    """1, or n for the n-th run of a seed already in the group (the same experiment repeated)."""
 
 
-def _facets(run: RunRecord) -> dict[str, Any]:
-    """What identifies a run's experiment besides its seed, flattened to ``name: value``."""
+def _digest(value: Any) -> str | None:
+    """A short, stable checksum of ``value`` (None stays None: not recorded)."""
+    if value is None:
+        return None
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def _data_identity(run: RunRecord) -> dict[str, Any] | None:
+    """The tokenizer and token streams by checksum (None when results.json does not say)."""
+    meta = (run.results.get("data") or {}).get("meta") or {}
+    splits = {name: (info or {}).get("sha256") for name, info in (meta.get("splits") or {}).items()}
+    tokenizer = (meta.get("tokenizer") or {}).get("sha256")
+    return {"tokenizer": tokenizer, **splits} if tokenizer or splits else None
+
+
+def _windows(run: RunRecord) -> dict[str, Any] | None:
+    """``split@length`` -> checksum of the evaluated windows of the training-time entries (the
+    entry's count where it has no checksum); entries ``posbench eval`` added later are left out."""
+    entries = [e for e in plain_entries(run.results["eval"]) if not e.get("added")]
+    windows = {f"{e['split']}@{e['length']}": e.get("sequences_sha256") or f"n={e['num_sequences']}"
+               for e in entries}
+    return windows or None
+
+
+def run_facets(run: RunRecord) -> dict[str, Any]:
+    """What identifies a run's experiment besides its seed, flattened to ``name: value``: two
+    runs belong to one group exactly when these agree. A value a run does not record is None
+    (shown as ``unknown``)."""
     options = run.results.get("method_options") or {}
     model = {k: v for k, v in (run.results.get("model") or {}).items() if k not in _MODEL_RESULT_KEYS}
     facets: dict[str, Any] = {str(k): v for k, v in sorted(options.items())}
     facets.update({f"model.{k}": v for k, v in sorted(model.items())})
     facets["C"] = run.train_context
+    train = run.results["train"]
+    facets["steps"], facets["tokens"] = train.get("steps"), train.get("tokens")
+    trainer = run.config.get("trainer") or {}
+    facets.update({f"trainer.{name}": trainer.get(name) for name in RESULT_SETTINGS
+                   if name not in ("context", "precision")})  # the context is C; precision resolved:
+    facets["precision"] = run.precision
+    facets["data"] = _digest(_data_identity(run))
+    facets["windows"] = _digest(_windows(run))
     return facets
+
+
+def _shown(value: Any) -> str:
+    return "unknown" if value is None else str(value)
 
 
 def method_order(methods: Iterable[str]) -> list[str]:
@@ -61,28 +109,70 @@ def method_order(methods: Iterable[str]) -> list[str]:
 
 
 def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
-    """Groups keyed by label, in method registry order. A method with one group is labelled by
-    its name; otherwise each label lists the facets that differ between that method's groups
-    (``model.flavour`` alone when the model preset differs)."""
-    by_key: dict[tuple[str, str], Group] = {}
+    """Groups keyed by label, in method registry order: runs that differ only by seed (see
+    :func:`run_facets`). A method with one group is labelled by its name; otherwise each label
+    lists the facets that differ between that method's groups (``model.flavour`` alone when the
+    model preset differs), and a repeated seed's group ``copy n``."""
+    by_key: dict[tuple[str, str], list[RunRecord]] = {}
+    facets_of: dict[tuple[str, str], dict[str, Any]] = {}
     for run in runs:
-        facets = _facets(run)
+        facets = run_facets(run)
         key = (run.method, json.dumps(facets, sort_keys=True, default=str))
-        by_key.setdefault(key, Group(run.method, run.method, facets)).runs.append(run)
+        by_key.setdefault(key, []).append(run)
+        facets_of[key] = facets
+    split: dict[tuple[str, str], list[Group]] = {}
+    for key, members in by_key.items():
+        copies: list[Group] = []
+        for run in sorted(members, key=lambda r: str(r.path)):
+            # The n-th run of a seed goes to the n-th copy: a seed counts once per group.
+            target = next((g for g in copies if all(str(r.seed) != str(run.seed) for r in g.runs)), None)
+            if target is None:
+                target = Group(key[0], key[0], facets_of[key], copy=len(copies) + 1)
+                copies.append(target)
+            target.runs.append(run)
+        split[key] = copies
     groups: dict[str, Group] = {}
     for method in method_order({m for m, _ in by_key}):
-        mine = [g for (m, _), g in by_key.items() if m == method]
-        if len(mine) > 1:
-            names = sorted({k for g in mine for k in g.facets})
-            differ = [k for k in names if len({json.dumps(g.facets.get(k), default=str) for g in mine}) > 1]
+        keys = [k for k in by_key if k[0] == method]
+        differ: list[str] = []
+        if len(keys) > 1:
+            names = sorted({n for k in keys for n in facets_of[k]})
+            differ = [n for n in names if len({json.dumps(facets_of[k].get(n), default=str) for k in keys}) > 1]
             if "model.flavour" in differ:
-                differ = [k for k in differ if not k.startswith("model.")] + ["model.flavour"]
-            for g in mine:
-                g.label = f"{method}[{','.join(f'{k}={g.facets.get(k)}' for k in differ)}]"
+                differ = [n for n in differ if not n.startswith("model.")] + ["model.flavour"]
+            if "steps" in differ:  # the tokens follow from the steps (and the batch, named when it differs)
+                differ = [n for n in differ if n != "tokens"]
+        mine = [g for k in keys for g in split[k]]
+        for g in mine:
+            parts = [f"{n}={_shown(g.facets.get(n))}" for n in differ] + ([f"copy {g.copy}"] if g.copy > 1 else [])
+            g.label = f"{method}[{','.join(parts)}]" if parts else method
         for g in sorted(mine, key=lambda g: g.label):
             g.runs.sort(key=lambda r: str(r.seed))
             groups[g.label] = g
     return groups
+
+
+def grouping_notes(groups: dict[str, Group]) -> list[str]:
+    """One line per thing a reader of the grouped tables must know: methods whose runs differ in
+    more than the seed (kept apart), repeated seeds (shown apart as copies), runs whose precision
+    was not recorded."""
+    notes = []
+    methods = [m for m in method_order({g.method for g in groups.values()})
+               if sum(g.method == m for g in groups.values()) > 1]
+    for method in methods:
+        labels = [label for label, g in groups.items() if g.method == method]
+        notes.append(f"note: runs of {method} differ in more than the seed; they are kept apart as {', '.join(labels)}")
+    for label, g in groups.items():
+        if g.copy > 1:
+            paths = ", ".join(str(r.path) for r in g.runs)
+            notes.append(f"note: {label} repeats seed(s) {', '.join(str(r.seed) for r in g.runs)} of an identical "
+                         f"experiment ({paths}); shown apart, never counted as more seeds")
+    unknown = sum(r.precision == "unknown" for g in groups.values() for r in g.runs)
+    if unknown:
+        notes.append(f"note: {unknown} run(s) do not record the precision they trained in (results.json from before "
+                     "posbench recorded it, trainer.precision=auto): shown as precision=unknown, never pooled with "
+                     "runs that record it")
+    return notes
 
 
 def splits(runs: Sequence[RunRecord]) -> list[str]:

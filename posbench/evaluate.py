@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posbench.data.loader import eval_sequences
+from posbench.data.loader import eval_sequences, spread_sequences
 from posbench.errors import PosbenchError
 from posbench.extension import NONE, extended
 from posbench.model import CPU_LOGITS_CHUNK_BYTES
-from posbench.results import SCHEMA_VERSION, plain_entries
+from posbench.results import SCHEMA_VERSION, headline_entries
 from posbench.stats import moving_average
 
 # Upper bound for one chunk of float32 logits; log-softmax/cross-entropy needs about one more
@@ -441,7 +441,7 @@ def evaluate_run(model: nn.Module, prepared: Any, spec: Any, device: torch.devic
 
 def headline(results: dict[str, Any], band: str = "256-512") -> float:
     """The plain model's loss in ``band`` (nan when not evaluated)."""
-    for entry in plain_entries(results.get("eval", [])):
+    for entry in headline_entries(results.get("eval", [])):
         if band in entry.get("bands", {}):
             return float(entry["bands"][band])
     return float("nan")
@@ -451,9 +451,13 @@ def validation_sets(prepared: Any, model: nn.Module, t: Any,
                     log: Callable[[str], None]) -> dict[str, Tensor]:
     """Fixed validation windows, by metrics.jsonl key: ``val_loss`` (``trainer.val_sequences``
     windows of the training context C) and ``val_loss_<C>_<2C>`` (the C-2C band of
-    ``trainer.val_extrapolation_sequences`` windows of 2C: extrapolation during training)."""
+    ``trainer.val_extrapolation_sequences`` windows of 2C: extrapolation during training).
+
+    Each is a seeded subset spread over the whole validation text (``spread_sequences``): the
+    same windows for every method and seed of a data setting, an estimate of the full set's
+    mean (not the first windows, which read easier). The final evaluation uses its own windows."""
     valid, context = prepared.valid_tokens(), t.context
-    sets = {"val_loss": eval_sequences(valid, context, t.val_sequences)}
+    sets = {"val_loss": spread_sequences(valid, context, t.val_sequences)}
     key = f"val_loss_{context}_{2 * context}"
     limit = model.position.max_positions
     if t.val_extrapolation_sequences and limit is not None and 2 * context > limit:
@@ -461,7 +465,7 @@ def validation_sets(prepared: Any, model: nn.Module, t: Any,
             f"(raise method.max_positions to {2 * context})")
     elif t.val_extrapolation_sequences:
         try:
-            sets[key] = eval_sequences(valid, 2 * context, t.val_extrapolation_sequences)
+            sets[key] = spread_sequences(valid, 2 * context, t.val_extrapolation_sequences)
         except PosbenchError as err:
             log(f"note: no {key} during training: {err}")
     return sets

@@ -212,16 +212,16 @@ def hf_rope_config(method: PositionMethod, rope_type: str, train_context: int, p
     from transformers import LlamaConfig
 
     head_dim = method.rotary_dim  # type: ignore[attr-defined]  # R rotated channels: R/2 frequencies
-    rope = {"rope_type": rope_type, **params}
+    scaling = {"rope_type": rope_type, **params}
     longest = train_context
     if rope_type in ("yarn", "llama3"):  # their configs name the extended length too
-        rope["original_max_position_embeddings"] = train_context
+        scaling["original_max_position_embeddings"] = train_context
         longest = math.ceil(params["factor"] * train_context)
     shape = dict(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, max_position_embeddings=longest)
     base = float(method.base)  # type: ignore[arg-type]
     if int(transformers.__version__.split(".")[0]) >= 5:  # v5 folds rope_theta into rope_parameters
-        return LlamaConfig(**shape, rope_parameters={**rope, "rope_theta": base})
-    return LlamaConfig(**shape, rope_theta=base, rope_scaling=rope)
+        return LlamaConfig(**shape, rope_parameters={**scaling, "rope_theta": base})
+    return LlamaConfig(**shape, rope_theta=base, rope_scaling=scaling)
 
 
 def _rope_rule(rope_type: str, **params: float) -> Callable[[PositionMethod, Setting], "ExtendedPosition | None"]:

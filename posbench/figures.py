@@ -28,13 +28,49 @@ def check_formats(formats: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(formats))
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
+def palette() -> list[Any]:
+    """20 qualitative colours: tab20's ten strong ones first, then their light partners."""
+    tab20 = colormaps["tab20"]
+    return [tab20(i) for i in range(0, 20, 2)] + [tab20(i) for i in range(1, 20, 2)]
+
+
+def line_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{label: {"color", "marker"}}`` for the curves of one figure, every label distinct.
+
+    A method keeps its registry index as its colour in every figure; other labels (variants,
+    ``rope[steps=60]``) take the first colour no label of the figure uses. 20 colours in all;
+    from 11 labels on every curve also gets a marker (tab20's light partners resemble their
+    strong colours), chosen so that no two labels share both colour and marker.
+    """
+    known, colours = list_methods(), palette()
+    labels = list(dict.fromkeys(labels))
+    index: dict[str, int] = {}
+    for label in labels:
+        if label in known and known.index(label) < len(colours) and known.index(label) not in index.values():
+            index[label] = known.index(label)
+    for n, label in enumerate(labels):
+        if label not in index:
+            free = [i for i in range(len(colours)) if i not in index.values()]
+            index[label] = free[0] if free else n % len(colours)
+    styles, used = {}, set()
+    for n, label in enumerate(labels):
+        marker = None
+        if len(labels) > 10:
+            m = n % len(MARKERS)
+            while (index[label], m) in used and len(used) < len(colours) * len(MARKERS):
+                m = (m + 1) % len(MARKERS)
+            used.add((index[label], m))
+            marker = MARKERS[m]
+        styles[label] = {"color": colours[index[label]], "marker": marker}
+    return styles
+
+
 def colour_of(label: str) -> Any:
-    """A stable colour per group label: a method's registry index, so a method looks the same in
-    every plot; labels of method variants (``rope[base=500]``) get a colour from their name."""
-    known = list_methods()
-    index = known.index(label) if label in known else len(known) + sum(map(ord, label)) % 10
-    palette = colormaps["tab10" if len(known) <= 10 else "tab20"]
-    return palette(index % palette.N)
+    """A label's colour when it is drawn alone (one method's figure, the viz overview)."""
+    return line_styles([label])[label]["color"]
 
 
 def new_figure(width: float = 8.0, height: float = 5.0) -> Figure:
@@ -59,4 +95,4 @@ def no_data(fig: Figure, ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
-__all__ = ["FORMATS", "check_formats", "colour_of", "new_figure", "no_data", "save"]
+__all__ = ["FORMATS", "MARKERS", "check_formats", "colour_of", "line_styles", "new_figure", "no_data", "palette", "save"]

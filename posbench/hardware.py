@@ -80,3 +80,53 @@ def tune_cpu_allocator(environ: dict[str, str] | None = None) -> bool:
     if tuned:
         env.update({name: str(value) for name, value in ALLOCATOR_ENV.items()})
     return tuned
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``; ``platform.processor()``
+    elsewhere), or ``unknown``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    """What ``device`` is, in words: the GPU's name, or the CPU's model name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model_name()
+
+
+PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> precision
+
+
+def run_environment(precision: str, amp_dtype: torch.dtype | None, device: torch.device) -> dict[str, object]:
+    """What a run computed with (results.json ``environment``, the W&B config, train.log).
+
+    ``precision`` is the resolved one (``bf16`` or ``fp32``; ``trainer.precision=auto`` depends
+    on the machine: see :func:`cpu_has_native_bf16`), ``configured_precision`` what the config
+    said; ``autocast_dtype`` is None for plain fp32.
+    """
+    return {
+        "precision": PRECISION_NAMES.get(amp_dtype, str(amp_dtype)),
+        "configured_precision": precision,
+        "autocast_dtype": None if amp_dtype is None else str(amp_dtype).removeprefix("torch."),
+        "device": device.type,
+        "device_name": device_name(device),
+        "cpu_native_bf16": cpu_has_native_bf16(),
+        "torch": torch.__version__,
+    }
+
+
+def environment_line(environment: dict[str, object]) -> str:
+    """One line for train.log: ``precision bf16 (trainer.precision=auto; autocast bfloat16) on ...``."""
+    autocast = environment.get("autocast_dtype")
+    return (f"precision {environment['precision']} (trainer.precision={environment['configured_precision']}; "
+            f"{'autocast ' + str(autocast) if autocast else 'no autocast'}) on {environment['device']} "
+            f"({environment['device_name']}), torch {environment['torch']}")

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from tqdm.auto import tqdm
 
 from posbench.errors import PosbenchError, one_line
-from posbench.results import entry_extension, plain_entries
+from posbench.results import entry_extension, headline_entries
 
 __all__ = [
     "LOGGERS",
@@ -433,7 +433,7 @@ def upload_figures(run_dir: Path, logger_cfg: Mapping[str, Any], paths: Sequence
 
 def _headline_entry(entries: list[dict], band: str, length: int) -> dict | None:
     """The validation entry for a headline band: the one of ``length``, else the shortest having it."""
-    found = [e for e in plain_entries(entries) if e.get("split") == "validation" and band in (e.get("bands") or {})]
+    found = [e for e in headline_entries(entries) if e.get("split") == "validation" and band in (e.get("bands") or {})]
     exact = [e for e in found if e.get("length") == length]
     return (exact or sorted(found, key=lambda e: e.get("length", 0)) or [None])[0]
 

@@ -26,13 +26,19 @@
 - ``band_<C>_<2C>.<fmt>`` (``band_256_512``): grouped bars per group of the ``0-C`` and
   ``C-2C`` band means, error bars = 95 % interval (t across seeds; one seed: bootstrap over
   sequences).
-- ``bands.md`` / ``bands.csv``: one row per group (method, options, model, context; see
+- ``bands.md`` / ``bands.csv``: one row per group (runs that differ only by seed; see
   :mod:`posbench.compare`), every band's mean and 95 % interval, the cost per band, PPL ratio,
   cumulative perplexity and effective length, sorted by the headline band; each band comes from
   the shortest evaluated length that contains it. ``bands.md`` also holds the paired differences
   on the headline band and lists missing/failed runs.
 - ``paired.md`` / ``paired.csv``: A - B for every pair of groups, on every band past the context
   (loss and cost), with the paired 95 % interval and whether it excludes 0.
+
+Groups are runs that differ only by seed (:func:`posbench.compare.run_facets`); failed, refused
+and result-less runs are skipped (:func:`posbench.results.finished_runs`). Curves of one run are
+titled "one run per curve", never a mean over seeds. Colours: :func:`line_styles` (a method's
+registry colour in every figure, 20 colours, markers from 11 curves on); legends sit outside the
+axes. The band chart's y-axis starts near the bars when 0 would hide their differences.
 
 Figures are drawn on ``matplotlib.figure.Figure`` objects rendered by Agg (no pyplot, no display,
 no global backend switch) and every file is written atomically.
@@ -52,6 +58,7 @@ from posbench.compare import (
     Comparison,
     Row,
     compare_runs,
+    grouping_notes,
     paired_csv,
     paired_markdown,
     splits,
@@ -59,7 +66,7 @@ from posbench.compare import (
     summary_markdown,
 )
 from posbench.errors import PosbenchError, one_line
-from posbench.figures import FORMATS, check_formats, colour_of, new_figure, no_data, save
+from posbench.figures import FORMATS, check_formats, line_styles, new_figure, no_data, save
 from posbench.io import write_text_atomic
 from posbench.plot_extension import plot_extensions
 from posbench.rundir import RunDir
@@ -68,6 +75,7 @@ from posbench.results import (
     RESULTS_FILE,
     RunRecord,
     discover_runs,
+    finished_runs,
     read_metrics,
     read_results,
     read_status,
@@ -78,6 +86,25 @@ HEADLINE_SPLIT = "validation"
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _legend_outside(ax, fontsize: float = 8, **kwargs: Any):
+    """The legend to the right of the axes, never over the data (None without labelled artists)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles and "handles" not in kwargs:
+        return None
+    count = len(kwargs.get("handles", handles))
+    return ax.legend(*(() if "handles" in kwargs else (handles, labels)), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                     borderaxespad=0.0, fontsize=fontsize, ncols=1 if count <= 18 else 2, **kwargs)
+
+
+def _seeds_note(counts: Sequence[int]) -> str:
+    """What a curve of the figure is: one run, or a mean over seeds with its band."""
+    if not counts or max(counts) <= 1:
+        return "one run per curve"
+    if min(counts) > 1:
+        return "mean over seeds (band: 95% t-interval)"
+    return "mean over seeds where a curve has several (band: 95% t-interval), else one run"
 
 
 def _ema(values: np.ndarray, weight: float = TRAIN_EMA) -> np.ndarray:
@@ -109,17 +136,18 @@ def _common_context(runs: Sequence[RunRecord]) -> int:
 # --------------------------------------------------------------------------- figures
 
 
-def _train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], title: str):
+def train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], title: str):
     """``series``: (group label, run name, metrics records) per run."""
     fig = new_figure()
     ax = fig.add_subplot()
     seeds_per_method = Counter(method for method, _, _ in series)
+    styles = line_styles([method for method, _, _ in series])
     labelled: set[str] = set()
     floor_candidates, values_all = [], []
     for method, _label, metrics in series:
         train = [(r["tokens"], r["loss"]) for r in metrics if _is_num(r.get("tokens")) and _is_num(r.get("loss"))]
         val = [(r["tokens"], r["val_loss"]) for r in metrics if _is_num(r.get("tokens")) and _is_num(r.get("val_loss"))]
-        colour = colour_of(method)
+        colour, marker = styles[method]["color"], styles[method]["marker"]
         many = seeds_per_method[method] > 1
         if train:
             x, y = np.array(train, dtype=np.float64).T
@@ -129,7 +157,8 @@ def _train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], 
             if method not in labelled:
                 label = f"{method} ({seeds_per_method[method]} seeds)" if many else method
                 labelled.add(method)
-            ax.plot(x, smooth, color=colour, alpha=0.7 if many else 1.0, linewidth=1.0 if many else 1.6, label=label)
+            ax.plot(x, smooth, color=colour, alpha=0.7 if many else 1.0, linewidth=1.0 if many else 1.6, label=label,
+                    marker=marker, markevery=max(1, len(x) // 8), markersize=4)
             # Everything after the first 10% of logged steps stays visible (late divergence too).
             floor_candidates.append(float(np.nanmax(smooth[len(smooth) // 10 :])))
             values_all.extend(smooth[np.isfinite(smooth)])
@@ -150,7 +179,7 @@ def _train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], 
     ax.set_ylabel("loss (nats)")
     ax.set_title(f"{title}\nEMA {TRAIN_EMA} of logged loss (faint: raw); dots: validation loss", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_outside(ax)
     return fig
 
 
@@ -159,12 +188,13 @@ def _is_num(value: Any) -> bool:
 
 
 def _mean_with_band(ax, x: np.ndarray, arrays: Sequence[np.ndarray], colour: Any, label: str | None,
-                    window: int = 1, linestyle: str = "-") -> np.ndarray:
+                    window: int = 1, linestyle: str = "-", marker: str | None = None) -> np.ndarray:
     """Plot the mean of ``arrays`` (one per seed) with its pointwise 95 % t-interval as a band
     (>= 2 seeds), both smoothed by a ``window``-point moving average; returns the smoothed mean."""
     mean, low, high = pointwise_t_band(np.vstack(arrays))
     mean = moving_average(mean, window)
-    ax.plot(x, mean, color=colour, linewidth=1.5, linestyle=linestyle, label=label)
+    ax.plot(x, mean, color=colour, linewidth=1.5, linestyle=linestyle, label=label, marker=marker,
+            markevery=max(1, len(x) // 10), markersize=4)
     if len(arrays) > 1:
         ax.fill_between(x, moving_average(low, window), moving_average(high, window), color=colour, alpha=0.2,
                         linewidth=0)
@@ -175,7 +205,7 @@ def _seeds_label(label: str, n: int) -> str:
     return f"{label} ({n} seeds)" if n > 1 else label
 
 
-def _position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int], length: int, title: str,
+def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int], length: int, title: str,
                      windowed: dict[str, list[np.ndarray]] | None = None, ylabel: str = "next-token loss (nats)",
                      clip: bool = True):
     """``curves``: group label -> per-seed curves of ``length`` positions; ``windowed`` (same
@@ -186,12 +216,14 @@ def _position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int
     x = np.arange(length)
     context = min(contexts) if contexts else length
     means: dict[str, np.ndarray] = {}
+    styles = line_styles(list(curves))
     for label, arrays in curves.items():
-        means[label] = _mean_with_band(ax, x, arrays, colour_of(label), _seeds_label(label, len(arrays)), window)
+        means[label] = _mean_with_band(ax, x, arrays, styles[label]["color"], _seeds_label(label, len(arrays)), window,
+                                       marker=styles[label]["marker"])
         if windowed and windowed.get(label):
             past = x >= context
             smooth = moving_average(np.vstack(windowed[label]).mean(axis=0), window)
-            ax.plot(x[past], smooth[past], color=colour_of(label), linewidth=1.0, linestyle="--")
+            ax.plot(x[past], smooth[past], color=styles[label]["color"], linewidth=1.0, linestyle="--")
     for i, c in enumerate(sorted(set(contexts))):
         if c < length:
             ax.axvline(c, color="black", linestyle=":", linewidth=1, label="training context" if i == 0 else None)
@@ -202,23 +234,33 @@ def _position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int
             ax.set_ylim(lo, hi)
         note = f"\ny-axis clipped at {hi:.2f}; above it past the context: {', '.join(clipped)}" if clipped else ""
     dashed = "\ndashed: the same targets through windows of the training context" if windowed else ""
-    ax.set_title(f"{title}\nmean over seeds (band: 95% t-interval), moving average of {window} positions"
-                 f"{dashed}{note}", fontsize=9)
+    seeds = _seeds_note([len(arrays) for arrays in curves.values()])
+    ax.set_title(f"{title}\n{seeds}, moving average of {window} positions{dashed}{note}", fontsize=9)
     ax.set_xlabel("position")
     ax.set_ylabel(ylabel)
     ax.set_xlim(0, length)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_outside(ax)
     return fig
 
 
-def _training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]], key: str, title: str):
+def validation_subset(runs: list[RunRecord], key: str) -> str:
+    """How many held-out windows the runs' in-training ``key`` was measured on: a seeded subset
+    spread over the validation text (see train.validation_sets), not the final evaluation's."""
+    counts = sorted({int(n) for r in runs if (n := (r.results["train"].get("validation_windows") or {}).get(key))})
+    if not counts:  # runs from before the subset was recorded: their first held-out windows
+        return "a validation subset"
+    return f"subset of {'/'.join(map(str, counts))} held-out windows"
+
+
+def training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]], key: str, title: str):
     """``series``: group label -> per-seed metrics records; plots ``key`` (``val_loss_<C>_<2C>``)
     against training tokens, mean over seeds at the token counts all of them logged, with a 95 %
     t-interval band. Seed 003's figure: the extrapolation band during training."""
     fig = new_figure()
     ax = fig.add_subplot()
-    drawn = False
+    drawn, counts = False, []
+    styles = line_styles(list(series))
     for label, runs in series.items():
         points = [{r["tokens"]: r[key] for r in m if _is_num(r.get("tokens")) and _is_num(r.get(key))} for m in runs]
         points = [p for p in points if p]
@@ -228,18 +270,19 @@ def _training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]]
         if not tokens:  # seeds logged at different token counts: plot each alone
             tokens, points = sorted(points[0]), points[:1]
         arrays = [np.array([p[t] for t in tokens]) for p in points]
-        _mean_with_band(ax, np.array(tokens, dtype=np.float64), arrays, colour_of(label),
+        _mean_with_band(ax, np.array(tokens, dtype=np.float64), arrays, styles[label]["color"],
                         _seeds_label(label, len(arrays)))
-        ax.plot(tokens, np.vstack(arrays).mean(axis=0), "o", color=colour_of(label), markersize=3)
-        drawn = True
+        ax.plot(tokens, np.vstack(arrays).mean(axis=0), styles[label]["marker"] or "o", color=styles[label]["color"],
+                markersize=3)
+        drawn, counts = True, counts + [len(arrays)]
     if not drawn:
         no_data(fig, ax, f"no {key} in metrics.jsonl")
     else:
         ax.set_xlabel("training tokens")
         ax.set_ylabel("loss (nats)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    ax.set_title(f"{title}\nmean over seeds (band: 95% t-interval)", fontsize=10)
+        _legend_outside(ax)
+    ax.set_title(f"{title}\n{_seeds_note(counts)}", fontsize=10)
     return fig
 
 
@@ -265,12 +308,17 @@ def _y_limits(means: dict[str, np.ndarray], context: int) -> tuple[float, float,
     return lo - margin, cap, clipped
 
 
-def _band_figure(rows: Sequence[Row], inner: str, headline: str, title: str):
-    fig = new_figure(max(6.0, 1.1 * len(rows) + 2), 4.5)
+def band_figure(rows: Sequence[Row], inner: str, headline: str, title: str):
+    """Grouped bars of the ``inner`` and ``headline`` bands per row, 95 % error bars. The y-axis
+    starts near the lowest bar when starting at 0 would squash the differences (the title says
+    where it starts)."""
+    fig = new_figure(max(7.0, 1.1 * len(rows) + 2), 4.5)
     ax = fig.add_subplot()
     width = 0.38
+    colours = line_styles([row.label for row in rows])
+    ends: list[float] = []
     for i, row in enumerate(rows):
-        colour = colour_of(row.label)
+        colour = colours[row.label]["color"]
         for offset, band, alpha, hatch in ((-width / 2, inner, 0.45, "//"), (width / 2, headline, 1.0, None)):
             interval = row.intervals.get(f"band:{band}")
             if interval is None:
@@ -280,13 +328,22 @@ def _band_figure(rows: Sequence[Row], inner: str, headline: str, title: str):
                    linewidth=0.5, yerr=half, capsize=3 if half is not None else 0)
             ax.annotate(f"{interval.mean:.3f}", (i + offset, interval.mean + (half or 0)), ha="center",
                         va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+            ends += [interval.mean - (half or 0), interval.mean + (half or 0)]
     ax.set_xticks(range(len(rows)), [f"{r.label}\n(n={r.seeds})" for r in rows], fontsize=8)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(facecolor="lightgrey", hatch="//", edgecolor="black", label=f"{inner} (in context)"),
-                       Patch(facecolor="grey", edgecolor="black", label=f"{headline} (extrapolation)")], fontsize=8)
+    fig.legend(handles=[Patch(facecolor="lightgrey", hatch="//", edgecolor="black", label=f"{inner} (in context)"),
+                        Patch(facecolor="grey", edgecolor="black", label=f"{headline} (extrapolation)")],
+               loc="outside lower center", ncols=2, fontsize=8)  # below the bars, never over them
     ax.set_ylabel("mean loss (nats)")
-    ax.set_title(f"{title}\nerror bars: 95% interval (t across seeds; one seed: bootstrap over sequences)",
+    finite = [e for e in ends if math.isfinite(e)]
+    start = ""
+    if finite and min(finite) > 0 and max(finite) - min(finite) < 0.5 * max(finite):  # 0 would squash them
+        low, high = min(finite), max(finite)
+        pad = 0.15 * max(high - low, 0.02 * high)
+        ax.set_ylim(low - pad, high + 2 * pad)  # room above for the value labels
+        start = f"\ny-axis starts at {low - pad:.2f}, not 0"
+    ax.set_title(f"{title}\nerror bars: 95% interval (t across seeds; one seed: bootstrap over sequences){start}",
                  fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     return fig
@@ -340,19 +397,19 @@ def _position_figures(groups: dict[str, list[RunRecord]], out_dir: Path, formats
             curves, contexts = _curves(groups, split, length, lambda e: e["loss_by_position"])
             windowed, _ = _curves(groups, split, length, lambda e: (e.get("windowed") or {}).get("loss_by_position"))
             stem = "loss_by_position" + suffix + ("" if length == headline_length else f"_{length}")
-            fig = _position_figure(curves, contexts, length, f"{title_prefix}Loss by position ({split}, length {length})",
+            fig = position_figure(curves, contexts, length, f"{title_prefix}Loss by position ({split}, length {length})",
                                    windowed=windowed)
             written += save(fig, out_dir, stem, formats)
         longest = lengths[-1]
         cost, contexts = _curves(groups, split, longest, lambda e: (e.get("cost") or {}).get("loss_by_position"))
         if cost:
-            fig = _position_figure(cost, contexts, longest, f"{title_prefix}Extrapolation cost ({split}, length "
+            fig = position_figure(cost, contexts, longest, f"{title_prefix}Extrapolation cost ({split}, length "
                                    f"{longest}): full context minus windows of the training context",
                                    ylabel="cost (nats; > 0: the long context hurts)", clip=False)
             written += save(fig, out_dir, "cost_by_position" + suffix, formats)
         cumulative, contexts = _curves(groups, split, longest, lambda e: e.get("cumulative_perplexity"))
         if cumulative:
-            fig = _position_figure(cumulative, contexts, longest, f"{title_prefix}Cumulative perplexity P(l) of "
+            fig = position_figure(cumulative, contexts, longest, f"{title_prefix}Cumulative perplexity P(l) of "
                                    f"positions 0..l ({split}, length {longest})", ylabel="perplexity")
             written += save(fig, out_dir, "cumulative_perplexity" + suffix, formats)
     return written
@@ -363,6 +420,7 @@ def plot_runs(
     out_dir: str | os.PathLike,
     formats: Sequence[str] = ("png",),
     log: Callable[[str], Any] = print,
+    variant: str | None = None,
 ) -> dict[str, Any]:
     """Build every comparison figure and the band tables from saved runs.
 
@@ -371,6 +429,8 @@ def plot_runs(
         out_dir: where figures and tables go (created if needed).
         formats: any of ``png``, ``pdf``, ``svg``; each figure is written once per format.
         log: called with one line per skipped run and notes, and a final line naming ``out_dir``.
+        variant: plot each run's entries of this ``eval_variants`` label (``RunRecord.variant``)
+            instead of its own; a run without it is refused in one line.
 
     Returns:
         ``{"out_dir", "files", "runs", "methods": {method: n_runs}, "headline_band", "problems"}``
@@ -384,7 +444,7 @@ def plot_runs(
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     patterns = [str(p) for p in patterns]
-    runs, problems = discover_runs(patterns)
+    runs, problems = finished_runs(*discover_runs(patterns))  # failed / refused / no results: never in a table
     for path, reason in problems:
         log(f"skipping {path}: {reason}")
     if not runs:
@@ -393,6 +453,13 @@ def plot_runs(
             f"contain a valid {RESULTS_FILE} (written when `posbench train` finishes), with metrics.jsonl "
             "and status.json; pass run dirs, sweep dirs or globs"
         )
+    if variant:
+        lacking = [str(r.path) for r in runs if not any(v.get("variant") == variant
+                                                        for v in r.results.get("eval_variants", []))]
+        if lacking:
+            raise PosbenchError(f"no eval_variants entries labelled {variant!r} in {', '.join(lacking)}; "
+                                "drop variant= or use a label their results.json eval_variants holds")
+        runs = [r.variant(variant) for r in runs]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -400,14 +467,8 @@ def plot_runs(
     runs = [r.plain() for r in runs]  # the method comparison reads the plain model's entries
     comparison = compare_runs(runs)
     groups = {label: g.runs for label, g in comparison.groups.items()}
-    for label, group in comparison.groups.items():
-        for seed, count in Counter(str(r.seed) for r in group.runs).items():
-            if count > 1:
-                log(f"note: {count} runs of {label} seed={seed}; each counts as a separate seed")
-    mixed = [m for m, n in Counter(g.method for g in comparison.groups.values()).items() if n > 1]
-    if mixed:
-        log(f"note: runs of {', '.join(mixed)} differ in options, model or context; they are kept apart as "
-            + ", ".join(label for label, g in comparison.groups.items() if g.method in mixed))
+    for note in grouping_notes(comparison.groups):
+        log(note)
     context = comparison.context
     if len({r.train_context for r in runs}) > 1:
         log(f"note: runs have different training contexts; bands are named after each run's own context, "
@@ -416,15 +477,16 @@ def plot_runs(
 
     files: list[Path] = []
     series = [(label, r.name, r.metrics) for label, rs in groups.items() for r in rs]
-    files += save(_train_loss_figure(series, "Training loss"), out, "train_loss", formats)
+    files += save(train_loss_figure(series, "Training loss"), out, "train_loss", formats)
     key = f"val_loss_{context}_{2 * context}"
     if any(key in record for rs in groups.values() for r in rs for record in r.metrics):
-        figure = _training_extrapolation_figure({label: [r.metrics for r in rs] for label, rs in groups.items()}, key,
-                                                f"Loss on positions {headline} during training ({key})")
+        figure = training_extrapolation_figure({label: [r.metrics for r in rs] for label, rs in groups.items()}, key,
+                                                f"Loss on positions {headline} during training ({key}, "
+                                                f"{validation_subset(runs, key)})")
         files += save(figure, out, key, formats)
     files += _position_figures(groups, out, formats)
     title = f"Loss in and past the training context ({split})"
-    files += save(_band_figure(comparison.rows, inner, headline, title), out, f"band_{context}_{2 * context}", formats)
+    files += save(band_figure(comparison.rows, inner, headline, title), out, f"band_{context}_{2 * context}", formats)
     write_text_atomic(out / "bands.md", _bands_markdown(comparison, problems))
     write_text_atomic(out / "bands.csv", summary_csv(comparison.metrics, comparison.rows, comparison.groups))
     write_text_atomic(out / "paired.md", "# Paired differences between methods\n\n" + paired_markdown(comparison.pairs))
@@ -460,13 +522,14 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
     method = run.method if run else str(status.get("method") or run_dir.name)
     name = run.name if run else run_dir.name
     metrics = run.metrics if run else read_metrics(run_dir)
-    written = save(_train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
+    written = save(train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
     if run is not None:
         written += _position_figures({method: [run]}, out, formats, title_prefix=f"{name}: ")
     return written
 
 
-__all__ = ["FORMATS", "TRAIN_EMA", "plot_runs", "plot_single_run"]
+__all__ = ["FORMATS", "TRAIN_EMA", "band_figure", "line_styles", "plot_runs", "plot_single_run", "position_figure",
+           "train_loss_figure", "training_extrapolation_figure"]
 
 
 def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:

@@ -26,7 +26,7 @@ import numpy as np
 
 from posbench.extension import NONE, list_extensions
 from posbench.io import write_text_atomic
-from posbench.compare import band_key as _band_key, method_order as _method_order
+from posbench.compare import band_key as _band_key, group_runs
 from posbench.figures import new_figure, save
 from posbench.stats import moving_average as _moving_average
 from posbench.results import RunRecord, entry_extension
@@ -53,16 +53,15 @@ def _std(values: Sequence[float]) -> float | None:
 
 
 def extension_matrix(runs: Sequence[RunRecord], split: str) -> tuple[list[str], list[dict[str, Any]]]:
-    """(bands, rows): a row per (method, extension) with band means (and costs) over seeds."""
-    by_method: dict[str, list[RunRecord]] = {}
-    for run in runs:
-        by_method.setdefault(run.method, []).append(run)
+    """(bands, rows): a row per (group, extension) with band means (and costs) over seeds; a
+    group is runs that differ only by seed (:func:`posbench.compare.group_runs`), its label
+    the row's ``method`` (``rope``, ``rope[steps=60]``)."""
     entries = [(r, e) for r in runs for e in r.results["eval"] if e["split"] == split]
     bands = sorted({b for _, e in entries for b in e["bands"]}, key=_band_key)
     rows = []
-    for method in _method_order(by_method):
-        method_runs = by_method[method]
-        names = {entry_extension(e) for r, e in entries if r.method == method}
+    for method, group in group_runs(runs).items():
+        method_runs = group.runs
+        names = {entry_extension(e) for r in method_runs for e in r.results["eval"] if e["split"] == split}
         for extension in _extension_order(names):
             row: dict[str, Any] = {"method": method, "extension": extension, "seeds": 0, "loss": {}, "cost": {}}
             for band in bands:
@@ -212,7 +211,7 @@ def plot_extensions(runs: Sequence[RunRecord], out: Path, formats: Sequence[str]
     files = save(_heatmap(bands, rows, split), out, "extension_matrix", formats)
     counts = {m: sum(r["method"] == m for r in rows) for m in dict.fromkeys(r["method"] for r in rows)}
     shown = max(counts, key=lambda m: counts[m])  # first of the most extended (registry order)
-    files += save(_curves([r for r in runs if r.method == shown], shown, split), out, "extension_curves", formats)
+    files += save(_curves(group_runs(runs)[shown].runs, shown, split), out, "extension_curves", formats)
     write_text_atomic(out / "extensions.md", _markdown(bands, rows, split))
     write_text_atomic(out / "extensions.csv", _csv(bands, rows))
     log(f"extension matrix: {len(rows)} (method, extension) rows in {out / 'extensions.md'}")

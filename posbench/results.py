@@ -54,6 +54,91 @@ def plain_entries(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in entries if entry_extension(e) == "none"]
 
 
+def headline_entries(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The plain entries a run's headline is read from: those of its training-time evaluation.
+
+    ``posbench eval`` marks what it adds later (``"added": true``, e.g. a new length), so an
+    added entry never becomes the headline; files from before the mark have none to skip."""
+    plain = plain_entries(entries)
+    return [e for e in plain if not e.get("added")] or plain
+
+
+# The settings an eval entry was measured under, beyond its key: two entries of one key that
+# differ in any of them were measured on other windows or otherwise, so neither replaces the other.
+MEASUREMENT_FIELDS = ("num_sequences", "sequences_sha256", "window_stride", "extension_factor", "precision",
+                      "checkpoint_step")
+
+
+def entry_measurement(entry: dict[str, Any], recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What an entry was measured on and how (see ``MEASUREMENT_FIELDS``); a field the entry
+    lacks is taken from ``recorded`` (what the run records for all its entries), else None."""
+    values = {name: entry.get(name, (recorded or {}).get(name)) for name in MEASUREMENT_FIELDS}
+    values["window_stride"] = (entry.get("windowed") or {}).get("stride")
+    return values
+
+
+def variant_label(new: dict[str, Any], reference: dict[str, Any], recorded: dict[str, Any] | None = None) -> str | None:
+    """``name=value,...`` for the measurement settings where ``new`` differs from ``reference``
+    (None when it differs in none): the key ``posbench eval`` files a non-headline entry under.
+    A setting the reference does not record (older entries) does not count as a difference,
+    and the extension factor counts only between entries of one extension."""
+    ours, theirs = entry_measurement(new), entry_measurement(reference, recorded)
+    if entry_extension(new) != entry_extension(reference):
+        ours.pop("extension_factor"), theirs.pop("extension_factor")
+    differs = [name for name in ours if theirs.get(name) is not None and ours[name] != theirs[name]]
+    if "num_sequences" in differs:  # other windows follow from another count: say the count
+        differs.remove("sequences_sha256")
+    return ",".join(f"windows={ours[name][:12]}" if name == "sequences_sha256" else f"{name}={ours[name]}"
+                    for name in differs) or None
+
+
+def merge_eval_entries(results: dict[str, Any], entries: list[dict[str, Any]], replace: bool,
+                       log: Callable[[str], None], recorded: dict[str, Any] | None = None) -> None:
+    """Merge ``posbench eval``'s new ``entries`` into ``results`` (in place) without ever
+    changing the run's headline behind the user's back. ``recorded``: measurement settings
+    the run's own entries do not carry (its precision), see :func:`entry_measurement`.
+
+    Each new entry is compared with the run's entry of the same key (split, length, extension),
+    else with its plain entry of that split and length (the windows its other entries share):
+    - measured the same way (same windows, count, stride, precision...): the run's entry is kept
+      as it is and the new one dropped (``replace``: the new one replaces it);
+    - measured otherwise: it goes to ``results["eval_variants"]`` with ``variant`` = what
+      differs (``num_sequences=64``...), replacing only a variant of the same key and label
+      (``replace``: it replaces the run's entry, which moves to the variants as ``replaced``);
+    - nothing to compare with (a new split or length): added to ``eval``, marked ``added`` so
+      the headline stays the training-time one (``replace``: unmarked).
+    """
+    current = list(results.get("eval", []))
+    variants = list(results.get("eval_variants", []))
+    index = {entry_key(e): e for e in current}
+    plain = {(e["split"], e["length"]): e for e in plain_entries(current)}
+    for entry in entries:
+        reference = index.get(entry_key(entry)) or plain.get((entry["split"], entry["length"]))
+        label = None if reference is None else variant_label(entry, reference, recorded)
+        same_key = index.get(entry_key(entry))
+        described = f"{entry['split']} length {entry['length']} extension {entry_extension(entry)}"
+        if replace:
+            if same_key is not None:
+                current.remove(same_key)
+                variants = [v for v in variants if (entry_key(v), v.get("variant")) != (entry_key(same_key), "replaced")]
+                variants.append({**same_key, "variant": "replaced"})
+                log(f"eval.replace=true: {described} replaces the run's entry (kept in eval_variants as 'replaced')")
+            current.append(entry)
+        elif label is not None:
+            variants = [v for v in variants if (entry_key(v), v.get("variant")) != (entry_key(entry), label)]
+            variants.append({**entry, "variant": label})
+            log(f"kept the run's {described}; the new one ({label}) is stored in eval_variants under that label "
+                "(eval.replace=true makes it the run's entry instead)")
+        elif same_key is not None:
+            log(f"kept the run's {described}: measured on the same windows (eval.replace=true overwrites it)")
+        else:
+            current.append({**entry, "added": True})
+    order = lambda e: (e["split"] != "validation", e["length"], entry_extension(e) != "none", str(e.get("variant")))  # noqa: E731
+    results["eval"] = sorted(current, key=order)
+    if variants:
+        results["eval_variants"] = sorted(variants, key=order)
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -112,24 +197,31 @@ def validate_results(results: Any) -> dict[str, Any]:
     for key in _REQUIRED_TRAIN:
         if key not in train:
             raise ValueError(f"missing key 'train.{key}'")
-    if not isinstance(results["eval"], list):
-        raise ValueError("'eval' must be a list")
-    for i, entry in enumerate(results["eval"]):
-        if not isinstance(entry, dict):
-            raise ValueError(f"'eval[{i}]' must be an object")
-        for key in _REQUIRED_EVAL:
-            if key not in entry:
-                raise ValueError(f"missing key 'eval[{i}].{key}'")
-        if len(entry["loss_by_position"]) != entry["length"]:
-            raise ValueError(
-                f"eval[{i}].loss_by_position has {len(entry['loss_by_position'])} values for length {entry['length']}"
-            )
-        if not isinstance(entry["bands"], dict):
-            raise ValueError(f"'eval[{i}].bands' must be an object")
-        for block in ("windowed", "cost"):  # optional (older files lack them), but whole when present
-            if block in entry and len(entry[block].get("loss_by_position", ())) != entry["length"]:
-                raise ValueError(f"eval[{i}].{block}.loss_by_position must have {entry['length']} values")
+    for section in ("eval", "eval_variants"):  # eval_variants: optional (see merge_eval_entries)
+        if section == "eval_variants" and section not in results:
+            continue
+        if not isinstance(results[section], list):
+            raise ValueError(f"'{section}' must be a list")
+        for i, entry in enumerate(results[section]):
+            _validate_entry(f"{section}[{i}]", entry)
     return results
+
+
+def _validate_entry(where: str, entry: Any) -> None:
+    if not isinstance(entry, dict):
+        raise ValueError(f"'{where}' must be an object")
+    for key in _REQUIRED_EVAL:
+        if key not in entry:
+            raise ValueError(f"missing key '{where}.{key}'")
+    if len(entry["loss_by_position"]) != entry["length"]:
+        raise ValueError(
+            f"{where}.loss_by_position has {len(entry['loss_by_position'])} values for length {entry['length']}"
+        )
+    if not isinstance(entry["bands"], dict):
+        raise ValueError(f"'{where}.bands' must be an object")
+    for block in ("windowed", "cost"):  # optional (older files lack them), but whole when present
+        if block in entry and len(entry[block].get("loss_by_position", ())) != entry["length"]:
+            raise ValueError(f"{where}.{block}.loss_by_position must have {entry['length']} values")
 
 
 def write_results(run_dir: str | os.PathLike, results: dict[str, Any]) -> Path:
@@ -190,6 +282,24 @@ def read_refusal(run_dir: str | os.PathLike) -> str | None:
     return str(record.get("error")) if isinstance(record, dict) else "refused"
 
 
+def finished_runs(runs: Iterable[RunRecord], problems: Iterable[tuple[str, str]]
+                  ) -> tuple[list[RunRecord], list[tuple[str, str]]]:
+    """The runs a comparison may show, and the rest as problems (sorted). Left out, beside what
+    :func:`discover_runs` already leaves out (failed, running, interrupted, corrupt): a run whose
+    last start was refused (its results.json is an earlier run's; see ``REFUSED_FILE``) and a
+    results.json with no evaluation of the plain model (no final results)."""
+    kept, dropped = [], []
+    for run in runs:
+        if (why := read_refusal(run.path)) is not None:
+            dropped.append((str(run.path), f"refused (its earlier results are kept): {why}"))
+        elif not plain_entries(run.results["eval"]):
+            dropped.append((str(run.path), "no final results: its results.json holds no evaluation of the model"))
+        else:
+            kept.append(run)
+    problems = [(path, f"refused: {why}" if (why := read_refusal(path)) else reason) for path, reason in problems]
+    return kept, sorted(problems + dropped)
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of ``<run_dir>/metrics.jsonl`` ([] when absent).
 
@@ -211,6 +321,17 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
             if isinstance(record, dict):
                 records.append(record)
     return records
+
+
+def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """``<run_dir>/config.yaml`` as a dict ({} when missing or unreadable)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def write_status(run_dir: str | os.PathLike, status: str, error: str | None = None, **extra: Any) -> Path:
@@ -244,6 +365,7 @@ class RunRecord:
     results: dict[str, Any]
     status: dict[str, Any] | None = None
     _metrics: list[dict[str, Any]] | None = field(default=None, repr=False)
+    _config: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def method(self) -> str:
@@ -260,6 +382,37 @@ class RunRecord:
     def plain(self) -> "RunRecord":
         """The same run with only its plain eval entries (what the method comparisons read)."""
         results = {**self.results, "eval": plain_entries(self.results["eval"])}
+        return RunRecord(self.path, results, self.status, self._metrics, self._config)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's resolved ``config.yaml`` ({} when absent or unreadable)."""
+        if self._config is None:
+            self._config = read_config(self.path)
+        return self._config
+
+    @property
+    def precision(self) -> str:
+        """The precision the run trained in (``bf16``, ``fp32``), or ``unknown`` for results.json
+        files from before posbench recorded it (``environment``) under ``trainer.precision=auto``."""
+        recorded = (self.results.get("environment") or {}).get("precision")
+        if recorded:
+            return str(recorded)
+        configured = str((self.config.get("trainer") or {}).get("precision") or "auto")
+        return configured if configured in ("fp32", "bf16") else "unknown"
+
+    def variant(self, label: str) -> "RunRecord":
+        """The run as measured under ``label`` (an ``eval_variants`` label, e.g. ``num_sequences=64``,
+        see :func:`merge_eval_entries`): those entries, plus the run's own at lengths the variant
+        lacks (which ``posbench eval`` measured the same way, having nothing to compare them with).
+        Raises ``KeyError`` when the run has no entry of that label."""
+        chosen = [e for e in self.results.get("eval_variants", []) if e.get("variant") == label]
+        if not chosen:
+            raise KeyError(label)
+        covered = {(e["split"], e["length"]) for e in chosen}
+        own = [e for e in self.results["eval"] if (e["split"], e["length"]) not in covered]
+        results = {**self.results, "eval": sorted(own + chosen, key=lambda e: (e["split"] != "validation", e["length"],
+                                                                               entry_extension(e) != "none"))}
         return RunRecord(self.path, results, self.status, self._metrics)
 
     @property

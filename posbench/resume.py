@@ -17,12 +17,8 @@ from posbench.data.tokenizer import TOKENIZER_FILE
 from posbench.distributed import DistInfo
 from posbench.errors import PosbenchError
 from posbench.io import file_sha256
-from posbench.settings import TrainerConfig
+from posbench.settings import RESULT_SETTINGS, TrainerConfig
 from posbench.spec import RunSpec
-
-# Trainer settings that change what a run computes (the step count may grow on resume).
-RESULT_SETTINGS = ("context", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-                   "beta1", "beta2", "grad_clip", "precision")
 
 
 def run_target(t: TrainerConfig, run_dir: Path) -> Path:
@@ -108,5 +104,5 @@ def check_resumable(state: dict[str, Any], spec: RunSpec, total_steps: int, run_
         )
 
 
-__all__ = ["RESULT_SETTINGS", "check_resumable", "data_identity", "load_resume_state", "resolve_run_dir",
+__all__ = ["check_resumable", "data_identity", "load_resume_state", "resolve_run_dir",
            "run_target"]

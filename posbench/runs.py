@@ -10,15 +10,15 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.checkpoint import list_checkpoints, load_latest_checkpoint
+from posbench.checkpoint import list_checkpoints, load_latest_checkpoint, load_model_weights
 from posbench.data import DataConfig, PreparedData, cache_dir_of, prepare_data, tokenize_with
 from posbench.device import autocast_dtype, resolve_device
 from posbench.errors import PosbenchError
 from posbench.evaluate import evaluate_model
-from posbench.extension import NONE, check_names, resolve_extensions
+from posbench.extension import check_names, resolve_extensions
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.plot import write_run_figures
-from posbench.results import entry_extension, entry_key, read_results_or_quarantine, write_results
+from posbench.results import merge_eval_entries, read_results_or_quarantine, write_results
 from posbench.rundir import RunDir
 from posbench.settings import EvalConfig, from_section
 from posbench.spec import data_config
@@ -53,7 +53,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", log: Calla
     if state is None:
         raise PosbenchError(f"every checkpoint in {path / 'checkpoints'} is damaged; retrain this run")
     model = build_model(ModelConfig.from_dict(state["model_config"]), state["method"], state["method_options"])
-    model.load_state_dict(state["model"])
+    load_model_weights(model, state, path)
     model.to(device).eval()
     results = read_results_or_quarantine(path, log)  # a damaged one is set aside and recomputed
     return Run(path, model, OmegaConf.create(state["config"]), results, state["step"], state.get("data_dir"))
@@ -114,14 +114,29 @@ def eval_precision(cfg: DictConfig, run: Run) -> str:
     return str(OmegaConf.select(run.config, "trainer.precision", default="auto"))
 
 
+def run_eval_section(cfg: DictConfig, run: Run) -> tuple[dict[str, Any], bool]:
+    """``posbench eval``'s eval section: each setting left null takes the run's own (its
+    config.yaml's ``eval``, else the defaults), so by default it measures the very windows of
+    the run's training-time evaluation. Returns (section, ``eval.replace``)."""
+    asked = OmegaConf.to_container(cfg.get("eval") or OmegaConf.create({}), resolve=True)
+    replace = asked.pop("replace", False)
+    if not isinstance(replace, bool):
+        raise PosbenchError(f"eval.replace must be true or false, got {replace!r}")
+    own = OmegaConf.select(run.config, "eval", default=None)
+    section = OmegaConf.to_container(own, resolve=True) if own is not None else {}
+    section.update({name: value for name, value in asked.items() if value is not None})
+    return section, replace
+
+
 def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """``posbench eval``: (re)evaluate a finished run on its own data or on other text."""
     if not cfg.get("run"):
         raise PosbenchError("posbench eval needs run=<run directory>")
-    evaluation = from_section(EvalConfig, "eval", OmegaConf.to_container(cfg.eval, resolve=True))
-    check_names(evaluation.extension)
     device = resolve_device(str(cfg.get("device", "auto")))
     run = load_run(cfg.run, device=device, log=log)
+    section, replace = run_eval_section(cfg, run)
+    evaluation = from_section(EvalConfig, "eval", section)
+    check_names(evaluation.extension)
     train_context = int(run.config.trainer.context)
     limit = run.model.position.max_positions
     if limit is not None and max(evaluation.lengths) > limit:
@@ -137,7 +152,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         # was damaged: its final evaluation, at these lengths, finishes it (refused while steps
         # remain to train).
         log(f"{run.path} has no results.json; running its final evaluation from its last checkpoint")
-        return finish_run(run.path, run.config, log, device=str(device), evaluation=cfg.eval)
+        return finish_run(run.path, run.config, log, device=str(device), evaluation=OmegaConf.create(section))
     source = "run"
     if other_path:
         # All of the other text is evaluation text (valid_fraction=1), cached beside the run's data.
@@ -146,16 +161,18 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         prepared = tokenize_with(prepared, other.validate(), log=log)
         source = str(other_path)
     extensions = resolve_extensions(evaluation.extension, run.model.position, log=log)
+    precision = eval_precision(cfg, run)
     entries = evaluate_model(
         run.model, prepared.tokens(evaluation.split), evaluation.lengths, evaluation.num_sequences,
         evaluation.batch_size, train_context, device, split=evaluation.split, log=log,
-        autocast_dtype=autocast_dtype(eval_precision(cfg, run), device),
+        autocast_dtype=autocast_dtype(precision, device),
         window_stride=evaluation.window_stride, effective_length_eps=evaluation.effective_length_eps,
         extensions=extensions, extension_factor=evaluation.extension_factor,
     )
     for entry in entries:
         entry["data"] = source
         entry["checkpoint_step"] = run.step
+        entry["precision"] = precision
     if other_path:
         # Other text never changes the run's own results.json; it gets a file of its own.
         out = RunDir(run.path).write_other_eval(Path(other_path).name,
@@ -175,11 +192,9 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
                 f"the newest checkpoint of {run.path} is at step {run.step} but its results.json is from "
                 f"step {trained}; finish the run (posbench train ... trainer.resume={run.path}) before re-evaluating"
             )
-        # An entry is replaced only by a new one of the same split, length and extension.
-        new = {entry_key(n) for n in entries}
-        keep = [e for e in results.get("eval", []) if entry_key(e) not in new]
-        results["eval"] = sorted(keep + entries, key=lambda e: (e["split"] != "validation", e["length"],
-                                                                entry_extension(e) != NONE))
+        # The run's entries (and so its headline) stay; other measurements are kept beside them.
+        own_precision = str(OmegaConf.select(run.config, "trainer.precision", default="auto"))
+        merge_eval_entries(results, entries, replace, log, recorded={"precision": own_precision})
         write_results(run.path, results)
         write_run_figures(run.path, log)
     log(f"updated {rundir.results_path}")

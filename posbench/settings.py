@@ -78,6 +78,12 @@ def _positive(section: str, **values: Any) -> None:
             raise PosbenchError(f"{section}.{name} must be positive, got {value}")
 
 
+# Trainer settings that change what a run computes (the step count may grow on resume): a resume
+# must keep them, and runs that differ in them are never pooled as seeds.
+RESULT_SETTINGS = ("context", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+                   "beta1", "beta2", "grad_clip", "precision")
+
+
 @dataclass
 class TrainerConfig:
     """How a model is trained. Defaults reproduce the seed article's setup."""

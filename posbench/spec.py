@@ -123,7 +123,7 @@ def build_spec(cfg: DictConfig) -> RunSpec:
             f"method={method.name} supports positions up to {probe.max_positions} but eval/training "
             f"needs {longest}; raise method.max_positions to at least {longest}"
         )
-    return RunSpec(trainer, evaluation, model, method, data_config(cfg.data), seed,
+    return RunSpec(trainer, evaluation, model, method, data_config(cfg.data).check_path_is_read(), seed,
                    str(cfg.get("run_name", f"{method.name}-s{seed}")))
 
 

@@ -29,10 +29,10 @@ from typing import Any, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from posbench.compare import compare_runs, paired_markdown, summary_markdown
+from posbench.compare import compare_runs, grouping_notes, paired_markdown, summary_markdown
 from posbench.config import config_names
 from posbench.io import write_text_atomic
-from posbench.results import RunRecord, discover_runs, plain_entries, read_refusal
+from posbench.results import RunRecord, discover_runs, finished_runs, headline_entries
 
 log = logging.getLogger(__name__)
 
@@ -77,37 +77,35 @@ def _relative(path: str | os.PathLike, root: Path) -> str:
         return str(path)
 
 
-def with_refusals(runs: Sequence[RunRecord], problems: Sequence[tuple[str, str]]
-                  ) -> tuple[list[RunRecord], list[tuple[str, str]]]:
-    """Jobs whose start was refused count as failed, even where an earlier run's results stay."""
-    refused = [(str(run.path), f"refused (its earlier results are kept): {why}")
-               for run in runs if (why := read_refusal(run.path))]
-    problems = [(path, f"refused: {why}" if (why := read_refusal(path)) else reason) for path, reason in problems]
-    return [run for run in runs if read_refusal(run.path) is None], sorted(problems + refused)
-
-
 def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], problems: Sequence[tuple[str, str]]) -> str:
-    """Markdown: a sweep's finished jobs (with the headline band), failed/missing ones, then per
-    group (method, options, model, context) the mean and 95 % interval of every band, the cost,
-    cumulative perplexity and effective length, and the paired differences on the headline band."""
+    """Markdown: a sweep's finished jobs (with their group and headline band), failed/missing
+    ones, then per group (runs that differ only by seed, see :func:`posbench.compare.run_facets`)
+    the mean and 95 % interval of every band, the cost, cumulative perplexity and effective
+    length, and the paired differences on the headline band."""
+    runs, problems = finished_runs(runs, problems)  # idempotent: a failed run never enters the tables
     root = Path(sweep_dir)
     lines = [f"# Sweep summary: {root}", "", f"## Finished ({len(runs)})", ""]
+    comparison = compare_runs(runs) if runs else None
+    groups = {} if comparison is None else comparison.groups
+    group_of = {str(r.path): label for label, g in groups.items() for r in g.runs}  # each run's row in the tables
     if runs:
-        lines += ["| job | method | seed | headline band | loss |", "|---|---|---|---|---:|"]
+        lines += ["| job | method | seed | group | headline band | loss |", "|---|---|---|---|---|---:|"]
         for run in runs:
             band = f"{run.train_context}-{2 * run.train_context}"
-            value = next((e["bands"][band] for e in sorted(plain_entries(run.results["eval"]), key=lambda e: e["length"])
+            value = next((e["bands"][band] for e in sorted(headline_entries(run.results["eval"]), key=lambda e: e["length"])
                           if band in e["bands"]), None)
             shown = "-" if value is None else f"{value:.4f}"
-            lines.append(f"| `{_relative(run.path, root)}` | {run.method} | {run.seed} | {band} | {shown} |")
+            lines.append(f"| `{_relative(run.path, root)}` | {run.method} | {run.seed} | {group_of[str(run.path)]} | "
+                         f"{band} | {shown} |")
     else:
         lines.append("None.")
     lines += ["", f"## Failed or missing ({len(problems)})", ""]
     lines += [f"- `{_relative(path, root)}`: {reason}" for path, reason in problems] or ["None."]
-    if runs:
-        comparison = compare_runs(runs)
-        lines += ["", f"## Per method ({comparison.split} split)", "",
-                  summary_markdown(comparison.metrics, comparison.rows, comparison.split, comparison.headline),
+    if comparison is not None:
+        notes = grouping_notes(comparison.groups)
+        lines += ["", f"## Per method ({comparison.split} split)", ""]
+        lines += [f"- {note.removeprefix('note: ')}" for note in notes] + ([""] if notes else [])
+        lines += [summary_markdown(comparison.metrics, comparison.rows, comparison.split, comparison.headline),
                   f"## Paired differences on {comparison.headline}", "", paired_markdown(comparison.headline_pairs),
                   "Comparison figures and all tables: `comparison/` (`bands.md`, `paired.md`, `*.csv`)."]
     return "\n".join(lines) + "\n"
@@ -137,7 +135,7 @@ class ComparePlotsCallback(Callback):
             runs, problems = discover_runs([sweep_dir])
             # A sweep dir with no job dirs at all is a problem of the pattern, not a failed job.
             problems = [(p, r) for p, r in problems if Path(p) != sweep_dir]
-            runs, problems = with_refusals(runs, problems)
+            runs, problems = finished_runs(runs, problems)
             _last_sweep_failures = len(problems)
             write_text_atomic(sweep_dir / "summary.md", sweep_summary(sweep_dir, runs, problems))
             log.info("sweep summary: %d finished, %d failed or missing -> %s",

@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from posbench.checkpoint import rng_state, save_checkpoint, set_rng_state
+from posbench.checkpoint import load_model_weights, rng_state, save_checkpoint, set_rng_state
 from posbench.data import prepare_data
 from posbench.data.loader import TrainBatches
 from posbench.device import as_posbench_error, autocast_dtype, resolve_device, seed_everything
@@ -40,6 +40,7 @@ from posbench.distributed import (
 )
 from posbench.errors import PosbenchError
 from posbench.evaluate import evaluate_run, headline, per_position_loss, validation_sets
+from posbench.hardware import environment_line, run_environment
 from posbench.loggers import make_logger, make_progress, wandb_group
 from posbench.model import build_model
 from posbench.optim import TrainStep, micro_batching, total_steps
@@ -188,7 +189,7 @@ class Trainer:
             else:
                 check_resumable(state, self.spec, self.total_steps, self.run_dir, data_identity(self.prepared),
                                 self.train_positions.randomize_max)
-                self.raw_model.load_state_dict(state["model"])
+                load_model_weights(self.raw_model, state, self.run_dir)
                 self.optimizer.load_state_dict(state["optimizer"])
                 self.scheduler.load_state_dict(state["scheduler"])
                 set_rng_state(state["rng"])
@@ -229,12 +230,16 @@ class Trainer:
         use_compile = str(t.compile).lower() == "true" or (str(t.compile).lower() == "auto" and self.device.type == "cuda")
         if use_compile:
             self.model = torch.compile(self.model)
+        self.environment = run_environment(t.precision, self.amp_dtype, self.device)  # results.json, W&B
+        if self.is_main:
+            self.log(environment_line(self.environment))
         self.val_sets = validation_sets(self.prepared, self.raw_model, t, self.log) if self.is_main else {}
         self.run_logger = make_logger(
             self.cfg.logger, run_dir=self.run_dir, run_name=spec.run_name,
             group=wandb_group(str(self.cfg.get("experiment_name", "default"))),
             tags=[spec.method, f"model-{spec.model.flavour}"],
-            config=OmegaConf.to_container(self.cfg, resolve=True), rank=self.dist_info.rank, log=self.log,
+            config={**OmegaConf.to_container(self.cfg, resolve=True), "environment": self.environment},
+            rank=self.dist_info.rank, log=self.log,
         )
 
     # ------------------------------------------------------------------ the step loop
@@ -461,6 +466,8 @@ class Trainer:
                 "tokens_per_second": train_tokens / max(self.wall - self.overhead_total, 1e-9),
                 "wall_seconds": self.wall, "overhead_seconds": self.overhead_total, "device": self.device.type,
                 "world_size": self.dist_info.world_size, "resumed_from_step": self.start_step or None,
+                # The in-training validation subsets (metrics.jsonl keys -> windows; see validation_sets).
+                "validation_windows": {name: int(rows.shape[0]) for name, rows in self.val_sets.items()},
             }
             results["run_name"] = spec.run_name
             results["method"] = self.train_positions.label  # rope+rand2048 stays apart from rope in tables
@@ -469,6 +476,7 @@ class Trainer:
             results["method_options"] = spec.method_options
             results["data"] = {"dir": str(self.prepared.dir), "meta": self.prepared.meta}
             results["versions"] = versions()
+            results["environment"] = self.environment
             self.rundir.write_results(results)  # under the results lock
             figures = write_run_figures(run_dir, self.log)
             self.run_logger.log_eval(results["eval"], t.context)

@@ -448,8 +448,11 @@ class VizSettings:
 
 
 def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, options: dict[str, Any],
-                    s: VizSettings, out: Path, label: str, log: Log) -> list[Path]:
-    """Figures of the method's own signals (input table, q-k decay, content-free score terms)."""
+                    s: VizSettings, out: Path, label: str, log: Log, analytic_label: str | None = None) -> list[Path]:
+    """Figures of the method's own signals (input table, q-k decay, content-free score terms).
+
+    ``analytic_label`` titles the q-k decay of a method without parameters: computed from its
+    definition, it is the same at every step of a run, so a title must not name one."""
 
     written: list[Path] = []
     end = s.span * s.context
@@ -468,8 +471,12 @@ def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, o
             written += save(position_similarity_figure(cosine_similarity_matrix(table).numpy(), s.context, title),
                              out, "position_similarity", s.formats)
         if has_qk_transform(method):
-            written += save(qk_decay_figure(_decay_curves(method, dims, method_name, options, s, log), s.context,
-                                            f"{label}: long-term decay of q.k"), out, "qk_decay", s.formats)
+            trained = any(True for _ in method.parameters())
+            title = (f"{label}: long-term decay of q.k" if trained or analytic_label is None else
+                     f"{analytic_label}: long-term decay of q.k\n(analytic: from the method's definition, "
+                     "the same at every training step)")
+            written += save(qk_decay_figure(_decay_curves(method, dims, method_name, options, s, log), s.context, title),
+                            out, "qk_decay", s.formats)
         if method.has_score_term:
             if is_content_dependent(method, dims):
                 log(f"{label}: the score term depends on the queries; pass run=<a trained run> to draw it")
@@ -559,10 +566,12 @@ def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
     name = method.name
     dims = model.cfg.dims
     options = MethodSpec.from_config(run.config.method).options
-    label = f"{name}, step {run.step}" + ("" if run_dir.name.startswith(name) else f" ({run_dir.name})")
+    suffix = "" if run_dir.name.startswith(name) else f" ({run_dir.name})"
+    label = f"{name}, step {run.step}{suffix}"
     # Content-free score terms are drawn from the method at span x C; run-dependent ones come
     # from the recorded attention below.
-    written = _signal_figures(method.cpu(), dims, name, options, s, out, label, log=lambda _: None)
+    written = _signal_figures(method.cpu(), dims, name, options, s, out, label, log=lambda _: None,
+                              analytic_label=f"{name}{suffix}")
     model.to(device)
     length = s.length_factor * context
     if method.max_positions is not None and length > method.max_positions:

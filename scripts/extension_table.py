@@ -1,6 +1,6 @@
 """Markdown table of a run's context extensions with paired 95 % intervals against `none`.
 
-    python scripts/extension_table.py <run dir>
+    python scripts/extension_table.py <run dir> [<eval_variants label, e.g. num_sequences=64>]
 
 For each extension and band (each band from the shortest evaluated length containing it), the
 loss and the change against the plain model with a percentile-bootstrap 95 % interval over the
@@ -18,12 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from posbench.compare import band_key
-from posbench.results import entry_extension
+from posbench.results import RunRecord, entry_extension
 from posbench.stats import bootstrap_interval
 
 
-def main(run_dir: str) -> str:
+def main(run_dir: str, variant: str | None = None) -> str:
     results = json.loads((Path(run_dir) / "results.json").read_text())
+    if variant:  # the entries posbench eval kept under this eval_variants label
+        results = RunRecord(Path(run_dir), results).variant(variant).results
     entries = [e for e in results["eval"] if e["split"] == "validation"]
     bands = sorted({b for e in entries for b in e["bands"]}, key=band_key)
     # band -> the shortest length containing it
@@ -52,4 +54,4 @@ def main(run_dir: str) -> str:
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1]))
+    print(main(*sys.argv[1:3]))

@@ -44,13 +44,14 @@ def entry(method: str, seed: int) -> dict:
                      "sequence_bands": sequence_band_means(cost, C)}}
 
 
-def make_run(run_dir: Path, method: str, seed: int, options: dict | None = None) -> dict:
+def make_run(run_dir: Path, method: str, seed: int, options: dict | None = None, steps: int = 1,
+             **extra: object) -> dict:
     run_dir.mkdir(parents=True)
     results = build_results(method=method, seed=seed, train_context=C,
-                            train={"tokens": 1, "steps": 1, "final_loss": 1.0, "tokens_per_second": 1.0,
+                            train={"tokens": steps, "steps": steps, "final_loss": 1.0, "tokens_per_second": 1.0,
                                    "wall_seconds": 1.0, "device": "cpu"},
                             eval=[entry(method, seed)], run_name=run_dir.name, method_options=options or {},
-                            model={"flavour": "tiny", "d_model": 64})
+                            model={"flavour": "tiny", "d_model": 64}, **extra)
     write_results(run_dir, results)
     key = f"val_loss_{C}_{2 * C}"
     lines = [json.dumps({"step": s, "tokens": 100 * s, "loss": 3.2 / s, "val_loss": 3.0 / s, key: 3.5 / s + OFFSET[method] + seed / 100})
@@ -150,3 +151,118 @@ def test_a_truncated_windowed_curve_is_invalid(tmp_path: Path) -> None:
     results["eval"][0]["windowed"]["loss_by_position"] = results["eval"][0]["windowed"]["loss_by_position"][:-1]
     with pytest.raises(ValueError, match="windowed.loss_by_position"):
         validate_results(results)
+
+
+# ----------------------------------------------------------------- issue 21 item 2: groups = seeds only
+
+
+def bands_rows(out: Path) -> dict[str, dict[str, str]]:
+    with open(out / "bands.csv") as f:
+        return {r["label"]: r for r in csv.DictReader(f)}
+
+
+def test_a_400_step_and_a_60_step_run_of_one_seed_are_shown_apart(tmp_path: Path) -> None:
+    make_run(tmp_path / "s" / "rope-400", "rope", 0, steps=400)
+    make_run(tmp_path / "s" / "rope-60", "rope", 0, steps=60)
+    lines: list[str] = []
+    summary = plot_runs([tmp_path / "s"], tmp_path / "out", log=lines.append)
+    assert summary["methods"] == {"rope[steps=400]": 1, "rope[steps=60]": 1}  # never "rope (2 seeds)"
+    rows = bands_rows(tmp_path / "out")
+    assert {r["seeds"] for r in rows.values()} == {"1"}
+    assert all(r["interval"].startswith("bootstrap") for r in rows.values())  # no t-interval over 2 "seeds"
+    assert any("differ in more than the seed" in line for line in lines)
+    text = sweep_summary(tmp_path / "s", *discover_runs([tmp_path / "s"]))
+    assert "| rope[steps=400] | 1 |" in text and "| rope[steps=60] | 1 |" in text
+
+
+def test_two_seeds_of_identical_settings_pool(tmp_path: Path) -> None:
+    env = {"environment": {"precision": "bf16"}}
+    for seed in (0, 1):
+        make_run(tmp_path / "s" / f"rope-{seed}", "rope", seed, steps=60, **env)
+    summary = plot_runs([tmp_path / "s"], tmp_path / "out", log=lambda _: None)
+    assert summary["methods"] == {"rope": 2}
+    assert bands_rows(tmp_path / "out")["rope"]["interval"] == "t, 2 seeds"
+
+
+def test_runs_in_other_precision_or_windows_or_settings_are_kept_apart(tmp_path: Path) -> None:
+    make_run(tmp_path / "s" / "bf16", "rope", 0, environment={"precision": "bf16"})
+    make_run(tmp_path / "s" / "fp32", "rope", 1, environment={"precision": "fp32"})
+    make_run(tmp_path / "s" / "old", "rope", 2)  # results.json from before the precision was recorded
+    lines: list[str] = []
+    summary = plot_runs([tmp_path / "s"], tmp_path / "out", log=lines.append)
+    assert summary["methods"] == {"rope[precision=bf16]": 1, "rope[precision=fp32]": 1, "rope[precision=unknown]": 1}
+    assert any("1 run(s) do not record the precision" in line for line in lines)
+
+    other = tmp_path / "w"
+    make_run(other / "a", "alibi", 0)
+    results = make_run(other / "b", "alibi", 1)
+    results["eval"][0]["sequences_sha256"] = "other-windows"
+    write_results(other / "b", results)
+    (other / "b" / "config.yaml").write_text("trainer:\n  lr: 0.001\n")
+    groups = plot_runs([other], tmp_path / "out2", log=lambda _: None)["methods"]
+    assert len(groups) == 2 and all(n == 1 for n in groups.values())
+    assert any("windows=" in label and "trainer.lr=unknown" in label for label in groups), groups
+
+
+def test_two_runs_of_one_seed_never_count_as_two_seeds(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        for seed in (0, 1):
+            make_run(tmp_path / "s" / name / f"rope-{seed}", "rope", seed)
+    make_run(tmp_path / "s" / "c" / "rope-2", "rope", 2)
+    lines: list[str] = []
+    summary = plot_runs([tmp_path / "s"], tmp_path / "out", log=lines.append)
+    # seeds 0, 1 (from a) and 2 pool; b's repeats of seeds 0 and 1 are shown apart
+    assert summary["methods"] == {"rope": 3, "rope[copy 2]": 2}
+    assert bands_rows(tmp_path / "out")["rope"]["interval"] == "t, 3 seeds"
+    assert any("rope[copy 2] repeats seed(s) 0, 1" in line for line in lines)
+    text = sweep_summary(tmp_path / "s", *discover_runs([tmp_path / "s"]))
+    assert "rope[copy 2]" in text and "| `b/rope-0` | rope | 0 | rope[copy 2] |" in text
+
+
+def test_a_failed_or_refused_run_never_enters_the_table(tmp_path: Path) -> None:
+    """Fault case L10: a failed job (its results.json from an earlier finish, or its start refused,
+    or without final results) must not be pooled into the tables and figures."""
+    for seed in (0, 1):
+        make_run(tmp_path / "s" / f"rope-{seed}", "rope", seed)
+    make_run(tmp_path / "s" / "failed", "rope", 2)
+    write_status(tmp_path / "s" / "failed", "failed", error="loss is nan")
+    make_run(tmp_path / "s" / "refused", "rope", 3)
+    (tmp_path / "s" / "refused" / "refused.json").write_text(json.dumps({"error": "another config"}))
+    results = make_run(tmp_path / "s" / "empty", "rope", 4)
+    write_results(tmp_path / "s" / "empty", {**results, "eval": []})
+    summary = plot_runs([tmp_path / "s"], tmp_path / "out", log=lambda _: None)
+    assert summary["methods"] == {"rope": 2}
+    reasons = dict(summary["problems"])
+    assert reasons[str(tmp_path / "s" / "failed")].startswith("failed: loss is nan")
+    assert reasons[str(tmp_path / "s" / "refused")].startswith("refused")
+    assert reasons[str(tmp_path / "s" / "empty")].startswith("no final results")
+    assert "| rope | 2 |" in (tmp_path / "out" / "bands.md").read_text()
+    text = sweep_summary(tmp_path / "s", *discover_runs([tmp_path / "s"]))
+    assert "Finished (2)" in text and "Failed or missing (3)" in text
+
+
+def test_the_extension_matrix_keeps_unlike_runs_apart(tmp_path: Path) -> None:
+    from posbench.plot_extension import extension_matrix
+
+    runs = []
+    for name, seed, steps in (("a", 0, 400), ("b", 1, 400), ("c", 0, 60)):
+        results = make_run(tmp_path / name, "rope", seed, steps=steps)
+        results["eval"].append({**entry("rope", seed), "extension": "yarn", "extension_factor": 2.0})
+        write_results(tmp_path / name, results)
+        runs += discover_runs([tmp_path / name])[0]
+    _, rows = extension_matrix(runs, "validation")
+    seeds = {(r["method"], r["extension"]): r["seeds"] for r in rows}
+    assert seeds == {("rope[steps=400]", "none"): 2, ("rope[steps=400]", "yarn"): 2,
+                     ("rope[steps=60]", "none"): 1, ("rope[steps=60]", "yarn"): 1}
+
+
+def test_precision_of_older_results(tmp_path: Path) -> None:
+    """Without ``environment``: an explicit trainer.precision is what ran; auto is unknown."""
+    make_run(tmp_path / "fp32", "rope", 0)
+    (tmp_path / "fp32" / "config.yaml").write_text("trainer:\n  precision: fp32\n")
+    make_run(tmp_path / "auto", "rope", 1)
+    (tmp_path / "auto" / "config.yaml").write_text("trainer:\n  precision: auto\n")
+    make_run(tmp_path / "broken", "rope", 2)
+    (tmp_path / "broken" / "config.yaml").write_text("trainer: [unclosed\n")  # unreadable: no crash
+    runs = {r.path.name: r for r in discover_runs([tmp_path])[0]}
+    assert {name: r.precision for name, r in runs.items()} == {"fp32": "fp32", "auto": "unknown", "broken": "unknown"}

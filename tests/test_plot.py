@@ -200,3 +200,70 @@ def test_sweep_callback(sweep: Path, tmp_path: Path) -> None:
     assert not (empty / "comparison").exists()
     assert failed_jobs_of_last_sweep() == 0
     callback.on_multirun_end(OmegaConf.create({}))  # no hydra node: a warning, not an exception
+
+
+# ----------------------------------------------------------------- issue 21 item 12: what the figures say
+
+
+def _legend_clear_of_data(fig, ax) -> bool:
+    """The legend (the axes' or the figure's) lies inside the figure and outside the axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()  # lays the figure out as savefig does
+    legend = (ax.get_legend() or fig.legends[0]).get_window_extent()
+    inside = fig.bbox.x0 - 1 <= legend.x0 and legend.x1 <= fig.bbox.x1 + 1 and fig.bbox.y0 - 1 <= legend.y0
+    return inside and not legend.overlaps(ax.get_window_extent())
+
+
+def test_single_seed_figures_do_not_claim_a_mean_over_seeds() -> None:
+    from posbench.plot import position_figure, training_extrapolation_figure
+
+    one = {"rope": [np.asarray(curve("rope", 0, 512))], "alibi": [np.asarray(curve("alibi", 0, 512))]}
+    title = position_figure(one, [256], 512, "Loss by position").axes[0].get_title()
+    assert "mean over seeds" not in title and "one run per curve" in title
+    two = {"rope": [np.asarray(curve("rope", s, 512)) for s in (0, 1)]}
+    assert "mean over seeds (band" in position_figure(two, [256], 512, "t").axes[0].get_title()
+    mixed = {**one, **two}
+    assert "where a curve has several" in position_figure(mixed, [256], 512, "t").axes[0].get_title()
+    metrics = {"rope": [[{"tokens": 100 * s, "val_loss_256_512": 3.0 / s} for s in (1, 2, 3)]]}
+    title = training_extrapolation_figure(metrics, "val_loss_256_512", "t").axes[0].get_title()
+    assert "mean over seeds" not in title and "one run per curve" in title
+
+
+def test_band_chart_does_not_start_at_zero_when_that_hides_the_differences() -> None:
+    from posbench.compare import Row
+    from posbench.plot import band_figure
+    from posbench.stats import Interval
+
+    def row(label: str, inner: float, head: float) -> Row:
+        return Row(label, label, 1, {"band:0-256": Interval(inner, inner - 0.01, inner + 0.01, 6, "bootstrap"),
+                                     "band:256-512": Interval(head, head - 0.01, head + 0.01, 6, "bootstrap")}, {})
+
+    fig = band_figure([row("rope", 3.40, 3.44), row("alibi", 3.40, 3.42)], "0-256", "256-512", "t")
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    assert 3.3 < low < 3.39 and 3.45 < high < 3.6, (low, high)  # the 0.02 nats apart are visible
+    assert f"y-axis starts at {low:.2f}, not 0" in ax.get_title()
+    assert _legend_clear_of_data(fig, ax)
+    far = band_figure([row("rope", 3.4, 3.44), row("nope", 3.4, 9.0)], "0-256", "256-512", "t").axes[0]
+    assert far.get_ylim()[0] == 0 and "not 0" not in far.get_title()  # a blow-up is shown from 0
+
+
+def test_sixteen_plus_curves_get_distinct_styles_and_the_legend_is_outside() -> None:
+    import posbench
+    from posbench.plot import line_styles, position_figure
+
+    labels = posbench.list_methods() + ["rope[steps=60]", "rope[copy 2]", "alibi[precision=fp32]", "window"]
+    assert len(labels) >= 16
+    styles = line_styles(labels)
+    colours = [tuple(styles[label]["color"]) for label in labels]
+    assert len(set(colours)) == min(len(labels), 20)  # 20 qualitative colours, then markers
+    assert len({(tuple(styles[l]["color"]), styles[l]["marker"]) for l in labels}) == len(labels)
+    assert all(styles[l]["marker"] for l in labels)
+    assert line_styles(["rope", "alibi"])["rope"] == styles["rope"] | {"marker": None}  # a method keeps its colour
+    curves = {label: [np.asarray(curve("rope", 0, 512)) + i * 0.01] for i, label in enumerate(labels)}
+    fig = position_figure(curves, [256], 512, "many")
+    ax = fig.axes[0]
+    drawn = [line for line in ax.get_lines() if not line.get_label().startswith("_") and line.get_label() in labels]
+    assert len({(tuple(line.get_color()), line.get_marker()) for line in drawn}) == len(labels)
+    assert _legend_clear_of_data(fig, ax)

@@ -222,6 +222,29 @@ def test_results_record_the_software_versions(tmp_path):
     assert results["versions"]["torch"] == torch.__version__ and results["versions"]["posbench"]
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_runs_record_the_precision_they_resolved(tmp_path, monkeypatch, native):
+    """Issue 21 item 3: trainer.precision=auto is recorded as what it resolved to, with the
+    autocast dtype, the device name and torch, in results.json, the W&B config and the log."""
+    import posbench.hardware as hardware
+    import posbench.loggers as loggers
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    configs, lines = [], []
+    make_logger = loggers.make_logger
+    monkeypatch.setattr(loggers, "make_logger", lambda *a, **k: configs.append(k["config"]) or make_logger(*a, **k))
+    results = train(compose_config("train", [*QUICK_TRAIN, "method=nope", "trainer.precision=auto"]), tmp_path,
+                    log=lines.append)
+    env = json.loads((tmp_path / "results.json").read_text())["environment"]
+    assert env == results["environment"] == configs[0]["environment"]
+    assert env["precision"] == ("bf16" if native else "fp32") and env["configured_precision"] == "auto"
+    assert env["autocast_dtype"] == ("bfloat16" if native else None)
+    assert env["device"] == "cpu" and env["device_name"] == hardware.cpu_model_name() != ""
+    assert env["torch"] == torch.__version__
+    assert any(line.startswith(f"precision {env['precision']} (trainer.precision=auto") and env["device_name"] in line
+               for line in lines), lines
+
+
 def test_precision_auto_is_bf16_where_the_cpu_has_native_bf16(monkeypatch):
     import posbench.hardware as hardware
     from posbench.device import autocast_dtype

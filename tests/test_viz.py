@@ -252,3 +252,21 @@ def test_sweep_callback_adds_the_viz_pictures(trained_sweep):
     viz = trained_sweep / "comparison" / "viz"
     assert (viz / "overview.png").is_file() and (viz / "1_relative-s0" / "attention_entropy_distance.png").is_file()
     assert (trained_sweep / "comparison" / "loss_by_position.png").is_file()  # posbench plot's, as before
+
+
+def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypatch):
+    """Issue 21 item 12: rope's q.k decay comes from its definition, so naming the run's step
+    (``rope, step 400``) misleads; a method with trained q/k parameters keeps the step."""
+    import posbench.viz as viz
+    from posbench.train import train
+
+    titles = []
+    original = viz.qk_decay_figure
+    monkeypatch.setattr(viz, "qk_decay_figure", lambda curves, context, title: titles.append(title)
+                        or original(curves, context, title))
+    run = tmp_path / "rope-s0"
+    train(compose_config("train", [*QUICK_TRAIN, "method=rope"]), run, log=lambda _: None)
+    run_viz(compose_config("viz", [f"run={run}", f"out={tmp_path / 'viz'}", "attention.num_sequences=2"]),
+            log=lambda _: None)
+    (title,) = titles
+    assert "step" not in title.split("\n")[0] and "analytic" in title and title.startswith("rope")

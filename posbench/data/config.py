@@ -162,6 +162,18 @@ class DataConfig:
             )
         return self
 
+    def check_path_is_read(self) -> "DataConfig":
+        """Refuse a ``path`` that this source would ignore (data=sample, as in
+        experiment=cpu_quick, would otherwise train on the sample without a word). Checked where
+        data is chosen (train, prepare), not when an existing run's recorded config is read back."""
+        if self.path_list() and self.source != "local":
+            raise PosbenchError(
+                f"data.path={self.path} is read only with data.source=local, but data.source={self.source} does "
+                f"not read it; to train on those files add data=local (data=local data.path={self.path}), "
+                "or drop data.path"
+            )
+        return self
+
 
 def absolute_path(path: str) -> str:
     """Expand ``~`` and make ``path`` absolute relative to the directory posbench started in

@@ -105,3 +105,26 @@ def eval_sequences(tokens: np.ndarray, length: int, num_sequences: int,
         )
     n = min(num_sequences, available)
     return torch.from_numpy(np.asarray(tokens[: n * window]).astype(np.int64).reshape(n, window))
+
+
+VALIDATION_SUBSET_SEED = 0
+"""Seed of the in-training validation subset: one fixed seed, so every method, seed and resume
+of a given data setting validates on the very same windows."""
+
+
+def spread_sequences(tokens: np.ndarray, length: int, num_sequences: int, seed: int = VALIDATION_SUBSET_SEED,
+                     split: str = "validation") -> torch.Tensor:
+    """``num_sequences`` of the non-overlapping windows of :func:`eval_sequences`, spread over
+    the whole split: the windows are cut into ``num_sequences`` equal strata and one window is
+    drawn from each (seeded, in text order), so the subset is neither the first windows (the
+    start of a file is not a typical sample of it) nor dependent on anything but the tokens,
+    ``length``, ``num_sequences`` and ``seed``. All windows when no more fit."""
+    window = length + 1
+    available = len(tokens) // window
+    if num_sequences >= available or num_sequences < 1:
+        return eval_sequences(tokens, length, num_sequences, split=split)  # all that fit (or its one-line refusal)
+    edges = np.linspace(0, available, num_sequences + 1).astype(np.int64)  # strata [edges[i], edges[i+1])
+    rng = np.random.default_rng(seed)
+    picks = edges[:-1] + (rng.random(num_sequences) * (edges[1:] - edges[:-1])).astype(np.int64)
+    rows = np.asarray(tokens)[picks[:, None] * window + np.arange(window)]  # (N, length + 1)
+    return torch.from_numpy(rows.astype(np.int64))

@@ -2,16 +2,24 @@
 Positional Embedding for Length Extrapolation").
 
 A conditionally positive definite kernel of the causal distance d = i - j is added to the logits,
-with learnable positive r1, r2 per head and per layer (one module per attention layer, as in the
-paper's GPT-NeoX code):
+with learnable positive r1, r2 per head and per layer:
 
 - ``variant: log`` (the paper's best):   score += -r1 * log(1 + r2 * d)
 - ``variant: power``:                    score += -r1 * d^r2, with r2 in (0, 2]
 
-As in the paper's code, r1 ~ U(0, 2) and r2 ~ U(0, 1) at init, and the parameters are projected
-back into their range (r >= 0.01, power r2 <= 2) in place before each use. The bias depends only
-on d, so any length works; at d past the training context it keeps its learned shape (log and
-power kernels keep decaying).
+At init r1 ~ U(0, 2) and r2 ~ U(0, 1) for both variants, and the parameters are projected back
+into their range (r >= 0.01, power r2 <= 2) in place before each use, as in the paper's code
+(github.com/chijames/KERPLE, ``megatron/mpu/layers.py``). Two departures from that code
+(docs/departures.md):
+
+- The power variant's init: ``ParallelKerplePower`` draws the scale (posbench's r1) from U(0, 1)
+  and the exponent (r2) from U(0, 2); posbench uses the log variant's ranges, which match
+  ``ParallelKerpleLog`` (scale U(0, 2), the factor inside the log U(0, 1)).
+- Per layer: the paper's code builds one kernel module and passes it to every layer, so its
+  r1, r2 are per head and shared across layers; posbench learns them per layer and head.
+
+The bias depends only on d, so any length works; at d past the training context it keeps its
+learned shape (log and power kernels keep decaying).
 """
 
 import torch

@@ -19,6 +19,8 @@ buffer of R/2 frequencies, ``base``, ``rotary_dim``) and ``attention_scaling`` (
 extensions set it), and xpos and p_rope subclass it.
 """
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -50,6 +52,9 @@ class RoPE(Rotary, PositionMethod):
         super().__init__(dims)
         if dims.head_dim % 2:
             raise ValueError(f"{self.name} needs an even head dimension, got {dims.head_dim}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
+            # base <= 0 gives NaN frequencies: the loss is NaN from the first step, whatever the lr.
+            raise ValueError(f"method.base={base!r} must be a number > 1 (RoPE's wavelength base; 10000 by default)")
         rotary_dim = int(dims.head_dim * partial_rotary_factor)
         if not 0 < partial_rotary_factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
             raise ValueError(
