@@ -41,7 +41,8 @@ from posbench.distributed import (
 from posbench.errors import PosbenchError
 from posbench.evaluate import evaluate_run, headline, per_position_loss, validation_sets
 from posbench.hardware import environment_line, run_environment
-from posbench.loggers import make_logger, make_progress, wandb_group
+from posbench import loggers
+from posbench.loggers import make_progress, wandb_group
 from posbench.model import build_model
 from posbench.optim import TrainStep, micro_batching, total_steps
 from posbench.plot import write_run_figures
@@ -234,7 +235,7 @@ class Trainer:
         if self.is_main:
             self.log(environment_line(self.environment))
         self.val_sets = validation_sets(self.prepared, self.raw_model, t, self.log) if self.is_main else {}
-        self.run_logger = make_logger(
+        self.run_logger = loggers.make_logger(  # looked up at call time: tests wrap it
             self.cfg.logger, run_dir=self.run_dir, run_name=spec.run_name,
             group=wandb_group(str(self.cfg.get("experiment_name", "default"))),
             tags=[spec.method, f"model-{spec.model.flavour}"],

@@ -251,10 +251,10 @@ def test_stray_temporary_files_of_a_killed_write_are_removed_at_the_next_start(t
 
 
 def test_validation_also_scores_the_band_past_the_training_context(tmp_path, monkeypatch):
-    import posbench.train
+    import posbench.loggers
 
     logged = {}
-    make_logger = posbench.train.make_logger
+    make_logger = posbench.loggers.make_logger
 
     def recording_logger(*args, **kwargs):
         real = make_logger(*args, **kwargs)
@@ -262,7 +262,7 @@ def test_validation_also_scores_the_band_past_the_training_context(tmp_path, mon
         real.log_metrics = lambda metrics, step: (logged.setdefault(step, {}).update(metrics), log_metrics(metrics, step))
         return real
 
-    monkeypatch.setattr(posbench.train, "make_logger", recording_logger)
+    monkeypatch.setattr(posbench.loggers, "make_logger", recording_logger)
     run_train(tmp_path, "method=alibi", "trainer.val_every=3", "trainer.val_extrapolation_sequences=2")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     validation = [r for r in rows if "val_loss" in r]
