@@ -94,3 +94,41 @@ def test_a_config_typo_in_an_existing_folder_is_recorded_there(tmp_path):
     one_error_line(posbench_cli("train", *QUICK_TRAIN, "trainer.lr=abc", f"hydra.run.dir={tmp_path}"), "train")
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["status"] == "failed" and "trainer.lr must be a number" in status["error"]
+
+
+# ----------------------------------------------------------------------------- item 7
+
+
+@pytest.mark.parametrize("error", [errno.EROFS, errno.EACCES])
+def test_a_read_only_empty_cache_is_one_line(tmp_path, monkeypatch, error):
+    """Root ignores file modes, so the read-only folder is simulated where the OS would refuse:
+    at every folder or file created inside the cache."""
+    from posbench.data import DataConfig, prepare_data
+    from posbench.errors import PosbenchError
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def refuse(path):
+        if str(path).startswith(str(cache)):
+            raise OSError(error, os.strerror(error), str(path))
+
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: refuse(path) or real_mkdir(path, *a, **k))
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: refuse(path) or real_open(path, *a, **k))
+    with pytest.raises(PosbenchError) as refused:
+        prepare_data(DataConfig(source="synthetic", cache_dir=str(cache)), log=lambda _: None)
+    message = str(refused.value)
+    assert "\n" not in message and f"cannot write the token cache in {cache}" in message
+    assert "point POSBENCH_CACHE or data.cache_dir at a writable folder" in message
+    assert os.listdir(cache) == []
+
+
+def test_a_cache_path_naming_a_file_is_one_line(tmp_path):
+    from posbench.data import DataConfig, prepare_data
+    from posbench.errors import PosbenchError
+
+    (tmp_path / "file").write_text("")
+    for cache in (tmp_path / "file", tmp_path / "file" / "cache"):
+        with pytest.raises(PosbenchError, match="which is a file, not a folder|names an existing file"):
+            prepare_data(DataConfig(source="synthetic", cache_dir=str(cache)), log=lambda _: None)
