@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"posbench: error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         raise SystemExit(2)
     _register_launcher()
+    from omegaconf import OmegaConf
+
+    from posbench.config import groups_help
+
+    OmegaConf.register_new_resolver("posbench_groups", groups_help, replace=True)  # for --help templates
     from posbench.hardware import tune_cpu_allocator
 
     tune_cpu_allocator()

@@ -30,7 +30,7 @@ HYDRA_SUBDIR = ".hydra"  # where Hydra itself would write its record
 class DeferredFileHandler(logging.FileHandler):
     """A log file that stays closed until the process owns the run directory.
 
-    Records are kept in memory until :meth:`release` (then written, and later records go
+    Records are kept in memory until :meth:`write_kept` (then written, and later records go
     straight to the file) or :meth:`drop` (never written). A handler closed with neither, e.g.
     a job that failed before it could lock its directory, writes what it kept (Hydra's own
     behaviour). A failed write (a full disk) is reported once, on one line, instead of
@@ -40,7 +40,7 @@ class DeferredFileHandler(logging.FileHandler):
     def __init__(self, filename: str, mode: str = "a", encoding: str | None = None, delay: bool = True,
                  errors: str | None = None) -> None:
         super().__init__(filename, mode=mode, encoding=encoding, delay=True, errors=errors)
-        self.pending: list[logging.LogRecord] | None = []  # None once released
+        self.pending: list[logging.LogRecord] | None = []  # None once written
         self.dropped = False
         self.write_failed = False
 
@@ -52,7 +52,7 @@ class DeferredFileHandler(logging.FileHandler):
             return
         super().emit(record)
 
-    def release(self) -> None:
+    def write_kept(self) -> None:  # (not "release": logging.Handler's lock method)
         """Write the kept records and every later one to the file."""
         if self.dropped or self.pending is None:
             return
@@ -66,7 +66,7 @@ class DeferredFileHandler(logging.FileHandler):
 
     def close(self) -> None:
         if self.pending:
-            self.release()
+            self.write_kept()
         super().close()
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
@@ -122,7 +122,7 @@ class HydraRecord:
             for name, text in self.files.items():
                 write_text_atomic(folder / name, text)
         for handler in deferred_handlers():
-            handler.release()
+            handler.write_kept()
 
     @staticmethod
     def discard() -> None:

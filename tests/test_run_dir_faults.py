@@ -132,3 +132,100 @@ def test_a_cache_path_naming_a_file_is_one_line(tmp_path):
     for cache in (tmp_path / "file", tmp_path / "file" / "cache"):
         with pytest.raises(PosbenchError, match="which is a file, not a folder|names an existing file"):
             prepare_data(DataConfig(source="synthetic", cache_dir=str(cache)), log=lambda _: None)
+
+
+# ----------------------------------------------------------------------------- item 9
+
+
+@pytest.mark.parametrize("stays_full", [False, True])
+def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_checkpoint(
+        tmp_path, monkeypatch, stays_full):
+    """The disk fills up while the second checkpoint is written (half of it is on disk). With
+    ``stays_full`` no new file can be made afterwards either, so the failure must still reach
+    status.json, which already exists."""
+    import tempfile
+
+    import posbench.checkpoint
+    import posbench.io
+    from posbench.checkpoint import list_checkpoints, read_checkpoint
+    from posbench.errors import PosbenchError
+    from posbench.train import train
+    from conftest import compose_config
+
+    real_save, real_mkstemp, saves = posbench.checkpoint.torch.save, tempfile.mkstemp, []
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", kwargs.get("dir") or args[-1])
+
+    def save(obj, path, *args, **kwargs):
+        saves.append(path)
+        if len(saves) < 2:
+            return real_save(obj, path, *args, **kwargs)
+        Path(path).write_bytes(b"PK\x03\x04 half a checkpoint")
+        if stays_full:
+            monkeypatch.setattr(posbench.io.tempfile, "mkstemp", full_disk)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(posbench.checkpoint.torch, "save", save)
+    cfg = compose_config("train", [*QUICK_TRAIN, "method=rope", "trainer.checkpoint_every_steps=2"])
+    with pytest.raises(PosbenchError) as failed:
+        train(cfg, tmp_path, log=lambda _: None)
+    monkeypatch.setattr(posbench.io.tempfile, "mkstemp", real_mkstemp)
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("no space left on the device")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "failed" and "no space left on the device" in status["error"]
+    (kept,) = list_checkpoints(tmp_path)
+    assert kept.name == "step_00000002.pt" and read_checkpoint(kept)["step"] == 2
+    assert not [p for p in tmp_path.rglob(".tmp-*")]  # the half-written file is gone
+
+
+def test_a_full_disk_under_the_log_file_is_one_warning_line(tmp_path, monkeypatch, capsys):
+    """logging prints a traceback for every record a handler fails to write."""
+    import logging
+
+    from posbench.runlog import DeferredFileHandler
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(logging, "raiseExceptions", True)  # logging's default: report every failure
+    handler = DeferredFileHandler(str(tmp_path / "train.log"))
+    monkeypatch.setattr(handler, "_open", lambda: FullDisk())
+    handler.write_kept()
+    for i in range(3):
+        handler.handle(logging.LogRecord("posbench", logging.INFO, __file__, 1, f"step {i}", None, None))
+    handler.close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "Logging error" not in err
+    assert err.startswith(f"posbench: warning: cannot write the log file {tmp_path / 'train.log'}")
+
+
+def test_the_log_file_keeps_lines_until_the_run_is_held_and_never_writes_dropped_ones(tmp_path):
+    import logging
+
+    from posbench.runlog import DeferredFileHandler
+
+    def record(text):
+        return logging.LogRecord("posbench", logging.INFO, __file__, 1, text, None, None)
+
+    held = DeferredFileHandler(str(tmp_path / "held.log"))
+    held.handle(record("before the lock"))
+    assert not (tmp_path / "held.log").exists()
+    held.write_kept()
+    held.handle(record("after the lock"))
+    held.close()
+    assert (tmp_path / "held.log").read_text().splitlines() == ["before the lock", "after the lock"]
+    refused = DeferredFileHandler(str(tmp_path / "refused.log"))
+    refused.handle(record("refused"))
+    refused.drop()
+    refused.handle(record("still refused"))
+    refused.close()
+    assert not (tmp_path / "refused.log").exists()
