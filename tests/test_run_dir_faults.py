@@ -229,3 +229,19 @@ def test_the_log_file_keeps_lines_until_the_run_is_held_and_never_writes_dropped
     refused.handle(record("still refused"))
     refused.close()
     assert not (tmp_path / "refused.log").exists()
+
+
+def test_a_config_error_next_to_a_run_another_process_holds_writes_nothing_there(tmp_path):
+    from conftest import compose_config
+    from posbench.errors import PosbenchError
+    from posbench.results import write_status
+    from posbench.train import RunLock, train
+
+    write_status(tmp_path, "running", method="alibi", seed=0)
+    before = snapshot(tmp_path)
+    with RunLock(tmp_path):
+        with pytest.raises(PosbenchError, match="trainer.lr must be a number"):
+            train(compose_config("train", [*QUICK_TRAIN, "trainer.lr=abc"]), tmp_path, log=lambda _: None)
+        after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k not in (".posbench.pid", ".posbench.lock")} == {
+        k: v for k, v in before.items() if k != ".posbench.lock"}
