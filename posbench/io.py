@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from posbench.errors import PosbenchError
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
@@ -48,3 +50,12 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
+
+def check_output_dir(path: Any, key: str) -> Path:
+    """``path`` as an output folder, or one line naming ``key`` when it (or a parent) is a file."""
+    path = Path(os.path.abspath(Path(str(path)).expanduser()))
+    for part in (path, *path.parents):
+        if part.exists() and not part.is_dir():
+            what = "names an existing file" if part == path else f"lies under {part}, which is a file"
+            raise PosbenchError(f"{key}={path} {what}, not a folder; choose another {key}")
+    return path

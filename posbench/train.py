@@ -41,6 +41,7 @@ from posbench.hardware import environment_line, run_environment
 from posbench.io import write_json_atomic, write_text_atomic
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.positions import TrainingPositions, randomize_max_from_config
+from posbench.runlog import HydraRecord
 from posbench.settings import RESULT_SETTINGS, EvalConfig, TrainerConfig, from_section
 
 logger = logging.getLogger("posbench")
@@ -305,7 +306,7 @@ class RunLock:
         self.run_dir, self.enabled, self.lock = Path(run_dir), enabled, None
 
     def __enter__(self) -> "RunLock":
-        if not self.enabled:
+        if not self.enabled or self.lock is not None:  # already held: ``with`` on a taken lock
             return self
         from filelock import FileLock, Timeout
 
@@ -456,23 +457,43 @@ def validation_sets(prepared: Any, model: Transformer, t: TrainerConfig,
 
 
 def train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None] | None = None,
-          evaluate_only: bool = False) -> dict[str, Any]:
+          evaluate_only: bool = False, hydra_record: HydraRecord | None = None) -> dict[str, Any]:
     """Train, evaluate and write a complete run directory; returns the results dict.
 
     Whatever goes wrong (a bad config value included) is recorded in the run's status.json, so
     a sweep's summary can name the failed jobs and why; a refused resume never touches the
     earlier run's record (it leaves refused.json beside it instead). ``evaluate_only``: only
     finish a run whose checkpoint is at its final step (``posbench eval``), never train.
+    ``hydra_record`` (the CLI's): Hydra's ``.hydra/`` and log file, written once the run's lock
+    is held; a single run whose config is refused before anything started leaves no folder.
     """
     log = log or logger.info
     try:
-        run = Trainer(cfg, Path(run_dir), log, evaluate_only=evaluate_only)
+        run = Trainer(cfg, Path(run_dir), log, evaluate_only=evaluate_only, hydra_record=hydra_record)
     except BaseException as err:
         failure = as_posbench_error(err)
-        if os.environ.get("RANK", "0") == "0":
-            record_failure(Path(run_dir), cfg, failure, claimed=False)
+        if os.environ.get("RANK", "0") == "0" and not (hydra_record and hydra_record.remove_unstarted()):
+            record_unstarted_failure(Path(run_dir), cfg, failure, hydra_record)
         raise failure from (None if failure is err else err)
     return run.run()
+
+
+def record_unstarted_failure(run_dir: Path, cfg: DictConfig, err: BaseException,
+                             hydra_record: HydraRecord | None) -> None:
+    """:func:`record_failure` for a start that failed before taking the lock: nothing is
+    written into a run directory another process holds."""
+    if not run_dir.is_dir():
+        return
+    try:
+        with RunLock(run_dir):
+            record_failure(run_dir, cfg, err, claimed=False)
+            if hydra_record is not None:
+                hydra_record.write(cfg)
+    except RunLocked:
+        if hydra_record is not None:
+            hydra_record.discard()
+    except OSError:
+        pass  # best effort, as record_failure: the one-line error matters more
 
 
 class Trainer:
@@ -484,9 +505,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, log: Callable[[str], None], evaluate_only: bool = False) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, log: Callable[[str], None], evaluate_only: bool = False,
+                 hydra_record: HydraRecord | None = None) -> None:
         """Config and device only: nothing is read from or written to the run directory yet."""
-        self.cfg, self.log, self.evaluate_only = cfg, log, evaluate_only
+        self.cfg, self.log, self.evaluate_only, self.hydra_record = cfg, log, evaluate_only, hydra_record
         self.spec = build_spec(cfg)
         self.t = self.spec.trainer
         self.device, self.dist_info = self._setup_device()
@@ -497,8 +519,16 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """:meth:`stages` under the run directory's lock; a failure is recorded in status.json
         (or refused.json while the record is still the earlier run's) as one line."""
-        with RunLock(self.run_dir, enabled=self.is_main):
+        try:
+            lock = RunLock(self.run_dir, enabled=self.is_main).__enter__()
+        except RunLocked:
+            if self.hydra_record is not None:
+                self.hydra_record.discard()  # nothing of a refused start lands in the run
+            raise
+        with lock:
             try:
+                if self.hydra_record is not None:  # the run is this process's: Hydra's record and log
+                    self.hydra_record.write(self.cfg, is_main=self.is_main)
                 return self.stages()
             except TrainingInterrupted:
                 raise
