@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from posbench.config import check_top_level_keys, config_dir
 from posbench.errors import PosbenchError
+from posbench.io import check_output_dir
 
 logger = logging.getLogger("posbench")
 CONFIG_PATH = str(config_dir())
@@ -31,9 +32,10 @@ CONFIG_PATH = str(config_dir())
 def _train(cfg: DictConfig) -> Any:
     from pathlib import Path
 
+    from posbench.runlog import HydraRecord
     from posbench.train import train
 
-    return train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    return train(cfg, Path(HydraConfig.get().runtime.output_dir), hydra_record=HydraRecord.from_hydra())
 
 
 def _eval(cfg: DictConfig) -> Any:
@@ -48,6 +50,7 @@ def _plot(cfg: DictConfig) -> Any:
     runs = cfg.runs if not isinstance(cfg.runs, str) else [cfg.runs]
     if not runs:
         raise PosbenchError("posbench plot needs runs=<run or sweep dir, or glob>[,...]")
+    check_output_dir(cfg.out, "out")
     return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info,
                      variant=cfg.get("variant"))
 
@@ -70,6 +73,8 @@ def _prepare(cfg: DictConfig) -> Any:
 def _viz(cfg: DictConfig) -> Any:
     from posbench.viz import run_viz
 
+    if cfg.get("out"):
+        check_output_dir(cfg.out, "out")
     return run_viz(cfg, log=logger.info)
 
 
@@ -197,6 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"posbench: error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         raise SystemExit(2)
     _register_launcher()
+    from omegaconf import OmegaConf
+
+    from posbench.config import groups_help
+
+    OmegaConf.register_new_resolver("posbench_groups", groups_help, replace=True)  # for --help templates
     from posbench.hardware import tune_cpu_allocator
 
     tune_cpu_allocator()

@@ -39,8 +39,7 @@ def check_top_level_keys(cfg: Any, command: str) -> None:
     from omegaconf import OmegaConf
 
     primary = OmegaConf.to_container(OmegaConf.load(config_dir() / f"{command}.yaml"))
-    groups = {next(iter(entry)) for entry in primary.get("defaults", []) if isinstance(entry, dict)}
-    known = (set(primary) | groups) - {"defaults", "hydra"}
+    known = (set(primary) | set(composed_groups(command))) - {"defaults", "hydra"}
     known = {k for k in known if not k.startswith("override ")}
     unknown = sorted(set(cfg) - known)
     if unknown:
@@ -51,3 +50,20 @@ def check_top_level_keys(cfg: Any, command: str) -> None:
         value = cfg.get(key)
         if isinstance(default, bool) and not isinstance(value, bool):
             raise PosbenchError(f"{key} must be true or false, got {value!r}")
+
+
+def composed_groups(command: str) -> list[str]:
+    """The config groups ``configs/<command>.yaml`` composes (its defaults list; Hydra's own and
+    ``override`` entries aside)."""
+    from omegaconf import OmegaConf
+
+    primary = OmegaConf.to_container(OmegaConf.load(config_dir() / f"{command}.yaml"))
+    groups = [next(iter(entry)) for entry in primary.get("defaults", []) if isinstance(entry, dict)]
+    return [g for g in groups if not g.startswith("override ")]
+
+
+def groups_help(command: str) -> str:
+    """``group: option, ...`` per group ``posbench <command>`` reads: its ``--help`` lists these
+    (Hydra's default help lists every group of the config tree, most of them train's)."""
+    return "\n".join(f"{g}: {', '.join(config_names(g))}" for g in composed_groups(command)) or "(none)"
+

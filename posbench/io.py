@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from posbench.errors import PosbenchError
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
@@ -57,3 +59,13 @@ def file_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def check_output_dir(path: Any, key: str) -> Path:
+    """``path`` as an output folder, or one line naming ``key`` when it (or a parent) is a file."""
+    path = Path(os.path.abspath(Path(str(path)).expanduser()))
+    for part in (path, *path.parents):
+        if part.exists() and not part.is_dir():
+            what = "names an existing file" if part == path else f"lies under {part}, which is a file"
+            raise PosbenchError(f"{key}={path} {what}, not a folder; choose another {key}")
+    return path

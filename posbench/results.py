@@ -9,6 +9,7 @@ an exception, so one bad run cannot hide the results of the others.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import glob
 import json
 import os
@@ -343,7 +344,19 @@ def write_status(run_dir: str | os.PathLike, status: str, error: str | None = No
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     path = Path(run_dir) / STATUS_FILE
-    write_json_atomic(path, {"status": status, "error": error, **extra, "updated": _now()})
+    record = {"status": status, "error": error, **extra, "updated": _now()}
+    try:
+        write_json_atomic(path, record)
+    except OSError as err:
+        if err.errno != errno.ENOSPC or not path.is_file():
+            raise
+        # A full disk has no room for the temporary copy; a status is small enough to overwrite
+        # in place (within the blocks the file has), so a failed run still says so.
+        with open(path, "r+") as f:
+            f.write(json.dumps(record, indent=2) + "\n")
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
     return path
 
 

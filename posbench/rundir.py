@@ -55,7 +55,7 @@ class RunLock:
         self.run_dir, self.enabled, self.lock = Path(run_dir), enabled, None
 
     def __enter__(self) -> "RunLock":
-        if not self.enabled:
+        if not self.enabled or self.lock is not None:  # already held: ``with`` on a taken lock
             return self
         self.run_dir.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.run_dir / self.LOCK_FILE))
@@ -174,6 +174,23 @@ class RunDir:
                     "updated": datetime.now(timezone.utc).isoformat(timespec="seconds")})
         except OSError:
             pass
+
+    def record_unstarted_failure(self, cfg: DictConfig, err: BaseException, hydra_record: Any = None) -> None:
+        """:meth:`record_failure` for a start that failed before taking the lock: nothing is
+        written into a run directory another process holds. ``hydra_record``: the CLI's
+        :class:`posbench.runlog.HydraRecord`, written beside the record (or dropped)."""
+        if not self.path.is_dir():
+            return
+        try:
+            with self.lock():
+                self.record_failure(cfg, err, claimed=False)
+                if hydra_record is not None:
+                    hydra_record.write(cfg)
+        except RunLocked:
+            if hydra_record is not None:
+                hydra_record.discard()
+        except OSError:
+            pass  # best effort, as record_failure: the one-line error matters more
 
     def remove_stray_temp_files(self, log: Callable[[str], None]) -> None:
         """Delete ``.tmp-*`` files a kill left mid-write (atomic writes, checkpoints included).

@@ -50,7 +50,8 @@ from posbench.positions import TrainingPositions
 from posbench.preemption import StopRequest
 from posbench.results import read_results_or_quarantine, versions
 from posbench.resume import check_resumable, data_identity, load_resume_state, resolve_run_dir, run_target
-from posbench.rundir import RunDir
+from posbench.rundir import RunDir, RunLocked
+from posbench.runlog import HydraRecord
 from posbench.spec import build_spec, check_memory_fits
 
 logger = logging.getLogger("posbench")
@@ -69,21 +70,23 @@ class NonFiniteLoss(PosbenchError):
 
 
 def train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None] | None = None,
-          evaluate_only: bool = False) -> dict[str, Any]:
+          evaluate_only: bool = False, hydra_record: HydraRecord | None = None) -> dict[str, Any]:
     """Train, evaluate and write a complete run directory; returns the results dict.
 
     Whatever goes wrong (a bad config value included) is recorded in the run's status.json, so
     a sweep's summary can name the failed jobs and why; a refused resume never touches the
     earlier run's record (it leaves refused.json beside it instead). ``evaluate_only``: only
     finish a run whose checkpoint is at its final step (``posbench eval``), never train.
+    ``hydra_record`` (the CLI's): Hydra's ``.hydra/`` and log file, written once the run's lock
+    is held; a single run whose config is refused before anything started leaves no folder.
     """
     log = log or logger.info
     try:
-        run = Trainer(cfg, Path(run_dir), log, evaluate_only=evaluate_only)
+        run = Trainer(cfg, Path(run_dir), log, evaluate_only=evaluate_only, hydra_record=hydra_record)
     except BaseException as err:
         failure = as_posbench_error(err)
-        if os.environ.get("RANK", "0") == "0":
-            RunDir(run_dir).record_failure(cfg, failure, claimed=False)
+        if os.environ.get("RANK", "0") == "0" and not (hydra_record and hydra_record.remove_unstarted()):
+            RunDir(run_dir).record_unstarted_failure(cfg, failure, hydra_record)
         raise failure from (None if failure is err else err)
     return run.run()
 
@@ -97,9 +100,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, log: Callable[[str], None], evaluate_only: bool = False) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, log: Callable[[str], None], evaluate_only: bool = False,
+                 hydra_record: HydraRecord | None = None) -> None:
         """Config and device only: nothing is read from or written to the run directory yet."""
-        self.cfg, self.log, self.evaluate_only = cfg, log, evaluate_only
+        self.cfg, self.log, self.evaluate_only, self.hydra_record = cfg, log, evaluate_only, hydra_record
         self.spec = build_spec(cfg)
         self.t = self.spec.trainer
         self.device, self.dist_info = self._setup_device()
@@ -111,8 +115,16 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """:meth:`stages` under the run directory's lock; a failure is recorded in status.json
         (or refused.json while the record is still the earlier run's) as one line."""
-        with self.rundir.lock(enabled=self.is_main):
+        try:
+            lock = self.rundir.lock(enabled=self.is_main).__enter__()
+        except RunLocked:
+            if self.hydra_record is not None:
+                self.hydra_record.discard()  # nothing of a refused start lands in the run
+            raise
+        with lock:
             try:
+                if self.hydra_record is not None:  # the run is this process's: Hydra's record and log
+                    self.hydra_record.write(self.cfg, is_main=self.is_main)
                 return self.stages()
             except TrainingInterrupted:
                 raise

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("model",),
     ("data",),
     ("results", "checkpoint", "evaluate", "compare"),
-    ("device", "optim", "spec", "resume", "rundir", "loggers", "figures", "preemption"),
+    ("device", "optim", "spec", "resume", "rundir", "runlog", "loggers", "figures", "preemption"),
     ("plot_extension", "plot"),
     ("train",),
     ("runs", "bench", "viz", "sweep"),

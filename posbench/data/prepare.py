@@ -14,6 +14,7 @@ file lock per key makes concurrent preparers of the same key build it once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -39,7 +40,7 @@ from posbench.data.tokenizer import (
     train_bpe,
 )
 from posbench.errors import PosbenchError
-from posbench.io import file_sha256, write_json_atomic
+from posbench.io import check_output_dir, file_sha256, write_json_atomic
 
 FORMAT_VERSION = 1  # bump on any change to the cache layout or token stream contents
 SPLIT_FILES = {"train": "train.bin", "validation": "valid.bin", "test": "test.bin"}
@@ -285,6 +286,31 @@ class _Encoder:
 def _prepare(cfg: DataConfig, spec: SourceSpec, tok_ident: dict[str, Any],
              make_tokenizer: Callable[[TextSplits], tuple[Any, dict[str, Any]]], log: Log,
              allow_empty_train: bool) -> PreparedData:
+    with writable_cache(cfg.cache_root()):
+        return _prepare_cache(cfg, spec, tok_ident, make_tokenizer, log, allow_empty_train)
+
+
+@contextlib.contextmanager
+def writable_cache(root: Path) -> Iterator[None]:
+    """One line naming the fix when the cache root is not a folder or cannot be written (a
+    read-only disk or mount, no permission): the cache is built there on first use."""
+    check_output_dir(root, "data.cache_dir (or $POSBENCH_CACHE)")
+    try:
+        yield
+    except OSError as err:
+        refused = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
+        where = os.path.abspath(err.filename) if isinstance(err.filename, str) else ""
+        if err.errno not in refused or not where or not (where.startswith(str(root)) or str(root).startswith(where)):
+            raise  # not the cache's folder: e.g. an unreadable data.path
+        raise PosbenchError(
+            f"cannot write the token cache in {root} ({err.strerror}: {err.filename}); point POSBENCH_CACHE "
+            "or data.cache_dir at a writable folder (the cache is built there on first use)"
+        ) from None
+
+
+def _prepare_cache(cfg: DataConfig, spec: SourceSpec, tok_ident: dict[str, Any],
+                   make_tokenizer: Callable[[TextSplits], tuple[Any, dict[str, Any]]], log: Log,
+                   allow_empty_train: bool) -> PreparedData:
     from filelock import FileLock, Timeout
 
     settings = _cache_settings(cfg, spec, tok_ident)
