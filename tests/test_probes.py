@@ -227,21 +227,31 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
 
     probe_options = ["eval.probes=[copy]", "eval.copy.distances=[8,40]", "eval.copy.span=4",
                      "eval.copy.num_windows=4", "eval.copy.kinds=[random]"]
-    train(compose_config("train", [*QUICK_TRAIN, *probe_options]), tmp_path, log=lambda _: None)
-    results = read_results(tmp_path)
+    run, other = tmp_path / "probed", tmp_path / "plain"
+    train(compose_config("train", [*QUICK_TRAIN, *probe_options]), run, log=lambda _: None)
+    results = read_results(run)
     (entry,) = results["probes"]
     assert entry["probe"] == "copy" and entry["extension"] == "none" and entry["kinds"] == ["random"]
     assert {(c["distance"], c["region"]) for c in entry["cells"]} == {(8, "inside"), (8, "past"), (40, "past")}
     assert all(c["count"] == 4 and len(c["window_gains"]) == 4 for c in entry["cells"])
     # posbench eval with an extension adds its entry beside the plain one, replacing the plain one.
-    cfg = compose_config("eval", [f"run={tmp_path}", "eval.lengths=[64]", "eval.num_sequences=2", *probe_options,
+    cfg = compose_config("eval", [f"run={run}", "eval.lengths=[64]", "eval.num_sequences=2", *probe_options,
                                   "eval.extension=[window]"])
     evaluate_saved_run(cfg, log=lambda _: None)
-    again = read_results(tmp_path)
+    again = read_results(run)
     assert [e["extension"] for e in again["probes"]] == ["none", "window"]
     assert again["probes"][0]["windows_sha256"] == entry["windows_sha256"]
     assert again["probes"][0]["checkpoint_step"] == 6
     # training without eval.probes writes no probe entries (the default)
-    other = tmp_path / "plain"
     train(compose_config("train", QUICK_TRAIN), other, log=lambda _: None)
     assert "probes" not in read_results(other)
+    # posbench plot: the figure and the table, the extension as its own row; the run without probes is left out
+    from posbench.plot import plot_runs
+
+    out = tmp_path / "comparison"
+    written = plot_runs([str(run), str(other)], out, log=lambda _: None)["files"]
+    assert {str(out / f) for f in ("copy_gain_random.png", "copy.md", "copy.csv")} <= set(written)
+    table = (out / "copy.md").read_text()
+    assert "| rope | 1 |" in table and "| rope+window | 1 |" in table and "inside d=8" in table
+    rows = (out / "copy.csv").read_text().splitlines()
+    assert rows[0].startswith("group,kind,region,distance,gain,low,high") and len(rows) == 1 + 2 * 3
