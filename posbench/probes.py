@@ -246,6 +246,8 @@ def copy_probe(
         raise PosbenchError(f"eval.copy.distances must be integers >= eval.copy.span={span}, got {list(distances)}")
     device = torch.device(device)
     cells = probe_cells(distances, train_context, span)
+    # Sized by the whole grid before any cell is left out, so every model gets the same windows.
+    longest = max(c.length for c in cells)
     limit = getattr(getattr(model, "position", None), "max_positions", None)
     if limit is not None:
         dropped = [c for c in cells if c.length - 1 > limit]
@@ -255,8 +257,7 @@ def copy_probe(
         cells = [c for c in cells if c.length - 1 <= limit]
     if not cells:
         raise PosbenchError("no copy probe cell fits; check eval.copy.distances and eval.copy.span")
-    windows = make_windows(tokens, num_windows, max(c.length for c in cells), span, vocab_size, special_ids,
-                           seed, kinds)
+    windows = make_windows(tokens, num_windows, longest, span, vocab_size, special_ids, seed, kinds)
     entries = []
     for extension in [NONE, *(e for e in extensions if e != NONE)]:
         started = time.perf_counter()

@@ -153,6 +153,29 @@ def test_windows_are_deterministic_and_never_depend_on_the_model() -> None:
     assert again["windows_sha256"] == one["windows_sha256"]
 
 
+def test_cells_past_learned_positions_are_left_out_on_the_same_windows() -> None:
+    torch.manual_seed(0)
+    short = posbench.create_model("learned", flavour="tiny", vocab_size=V, method_options={"max_positions": 48}).eval()
+    lines: list[str] = []
+    entry = probe(short, log=lines.append)
+    kept = {(c["distance"], c["region"]) for c in entry["cells"]}
+    # the model reads L - 1 = t + k - 1 tokens: 31, 35, 41, 47 and, for d = 48 past C, 55 > 48
+    assert kept == {(8, "inside"), (8, "past"), (RECEPTIVE_FIELD, "past"), (40, "past")}
+    assert any("leaving out 1 cells" in line and "d=48 past" in line for line in lines)
+    full = probe(posbench.create_model("learned", flavour="tiny", vocab_size=V).eval())
+    assert entry["windows_sha256"] == full["windows_sha256"]  # sized by the whole grid, not by the model
+
+
+def test_probe_summary_for_the_tracker() -> None:
+    from posbench.probes import probe_summary
+
+    entry = {"probe": "copy", "extension": "none", "reach": {"random": 64},
+             "cells": [{"kind": "random", "region": "past", "distance": 64, "gain": 1.5}]}
+    summary = probe_summary([entry, {**entry, "extension": "yarn"}])
+    assert summary == {"probe/copy/reach_random": 64, "probe/copy/random/past/gain_d64": 1.5,
+                       "probe/copy/yarn/reach_random": 64, "probe/copy/yarn/random/past/gain_d64": 1.5}
+
+
 def test_cell_rule() -> None:
     # inside C: the repeat ends at C - 1; past C: it starts at max(C, d + k)
     assert cell_for(8, "inside", 256, 32) is None  # d < k: the copies would overlap
