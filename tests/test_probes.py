@@ -77,6 +77,9 @@ def test_untrained_window_model_is_exactly_blind_beyond_its_receptive_field() ->
     entry = probe(model, distances=[RECEPTIVE_FIELD - 1, RECEPTIVE_FIELD])
     far = [c for c in entry["cells"] if c["distance"] == RECEPTIVE_FIELD]
     assert far and all(max(abs(g) for g in c["window_gains"]) < 1e-5 for c in far)
+    # one token closer, the first copy's last token reaches the first scored one: the rule is tight
+    near = [c for c in entry["cells"] if c["distance"] == RECEPTIVE_FIELD - 1]
+    assert near and all(max(abs(g) for g in c["window_gains"]) > 1e-7 for c in near)
 
 
 def test_untrained_model_has_no_gain() -> None:
