@@ -262,12 +262,16 @@ def copy_probe(
     for extension in [NONE, *(e for e in extensions if e != NONE)]:
         started = time.perf_counter()
         out_cells, factors = [], {}
+        # The control does not depend on p: cells with the same repeat position t share it.
+        controls: dict[tuple[str, int], np.ndarray] = {}
         for kind in kinds:
             for cell in cells:
                 repeat, control = windows.build(cell, kind)
                 with extended(model, extension, train_context, cell.length - 1, extension_factor) as factor:
                     with_copy = cell_losses(model, repeat, cell, batch_size, device, autocast_dtype)
-                    without = cell_losses(model, control, cell, batch_size, device, autocast_dtype)
+                    if (kind, cell.t) not in controls:
+                        controls[(kind, cell.t)] = cell_losses(model, control, cell, batch_size, device, autocast_dtype)
+                without = controls[(kind, cell.t)]
                 factors[cell.length - 1] = factor
                 gains = without - with_copy  # (N,) paired per window
                 interval = bootstrap_interval(gains)

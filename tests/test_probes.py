@@ -179,6 +179,26 @@ def test_probe_summary_for_the_tracker() -> None:
                        "probe/copy/yarn/reach_random": 64, "probe/copy/yarn/random/past/gain_d64": 1.5}
 
 
+def test_cells_with_the_same_repeat_position_share_one_control_pass(monkeypatch) -> None:
+    import posbench.probes as probes
+
+    calls: list[int] = []
+    real = probes.cell_losses
+
+    def counted(model, windows, cell, *args):
+        calls.append(cell.t)
+        return real(model, windows, cell, *args)
+
+    monkeypatch.setattr(probes, "cell_losses", counted)
+    torch.manual_seed(0)
+    entry = probe(posbench.create_model("rope", flavour="tiny", vocab_size=V).eval(), distances=[8, 12, 16, 40],
+                  kinds=["random"])
+    # cells: inside d=8,12,16 (t=28), past d=8,12,16 (t=32), past d=40 (t=44): 7 repeats + 3 controls
+    assert len(entry["cells"]) == 7 and len(calls) == 7 + 3
+    inside = {c["loss_control"] for c in entry["cells"] if c["region"] == "inside"}
+    assert len(inside) == 1
+
+
 def test_cell_rule() -> None:
     # inside C: the repeat ends at C - 1; past C: it starts at max(C, d + k)
     assert cell_for(8, "inside", 256, 32) is None  # d < k: the copies would overlap
