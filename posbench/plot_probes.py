@@ -8,6 +8,7 @@ Written only when some run has results.json ``probes`` entries (``eval.probes=[c
   seeds; one seed: the bootstrap over windows); dotted vertical line at the training context.
 - ``copy.md`` / ``copy.csv``: one row per line of the figures, sorted by reach (random spans,
   mean over seeds, highest first): the reach per kind and the gain at every (region, distance).
+  The reach is recomputed from the cells with today's definition (``posbench.probes.entry_reach``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from posbench.compare import group_runs
 from posbench.io import write_text_atomic
+from posbench.probes import REACH_DEFINITION, entry_reach
 from posbench.results import RunRecord
 from posbench.stats import Interval, across_runs
 
@@ -54,13 +56,18 @@ def cell_intervals(entries: Sequence[dict[str, Any]]) -> dict[Key, Interval]:
     return {key: across_runs(values, windows[key] if len(values) == 1 else None) for key, values in per_run.items()}
 
 
+def reaches(entries: Sequence[dict[str, Any]], kind: str) -> list[int]:
+    """Each run's reach of ``kind``, recomputed from its cells (:func:`posbench.probes.entry_reach`)."""
+    return [r for r in (entry_reach(e, kind) for e in entries) if r is not None]
+
+
 def mean_reach(entries: Sequence[dict[str, Any]], kind: str) -> float | None:
-    values = [e["reach"][kind] for e in entries if kind in (e.get("reach") or {})]
+    values = reaches(entries, kind)
     return float(np.mean(values)) if values else None
 
 
 def _reach_text(entries: Sequence[dict[str, Any]], kind: str) -> str:
-    values = [e["reach"][kind] for e in entries if kind in (e.get("reach") or {})]
+    values = reaches(entries, kind)
     if not values:
         return "-"
     mean = float(np.mean(values))
@@ -96,7 +103,8 @@ def copy_markdown(groups: dict[str, list[dict[str, Any]]]) -> str:
              f"Copy gain = loss(control) - loss(repeat) in nats on the k - 1 = {first['span'] - 1} tokens of the "
              f"repeat after its first, {first['num_windows']} windows per cell, training context "
              f"{first['train_context']} (docs/probes.md). Mean ± 95 % interval: t across seeds, or the bootstrap "
-             "over windows for one seed.", "", first["reach_definition"].capitalize() + ".", ""]
+             "over windows for one seed.", "", REACH_DEFINITION.capitalize() + "; per seed in brackets when "
+             "the seeds differ.", ""]
     labels = _sorted_labels(groups)
     lines += ["| group | runs | " + " | ".join(f"reach ({k})" for k in kinds) + " |",
               "|---|---|" + "---|" * len(kinds)]
@@ -181,4 +189,4 @@ def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str]
     return files + [out_dir / "copy.md", out_dir / "copy.csv"]
 
 
-__all__ = ["cell_intervals", "copy_csv", "copy_markdown", "mean_reach", "plot_probes", "probe_groups"]
+__all__ = ["cell_intervals", "copy_csv", "copy_markdown", "mean_reach", "plot_probes", "probe_groups", "reaches"]

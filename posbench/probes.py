@@ -44,8 +44,9 @@ KINDS = ("random", "text")
 REGIONS = ("inside", "past")
 PROBES = ("copy",)
 DEFAULT_DISTANCES = (32, 64, 128, 192, 256, 320, 384, 512, 768)
-# Below this gain (nats) at the reference cell the model does not copy even inside C: reach 0.
-REACH_MIN_GAIN = 0.1
+# Below this gain (nats) at the reference cell the model barely copies even inside C: reach 0. A model that
+# copies random spans gains nats (their control loss is ln V or more); cpu_quick models gain ~0.1.
+REACH_MIN_GAIN = 0.5
 REACH_DEFINITION = ("reach: the largest distance d such that the copy gain of a repeat placed past the "
                     "training context stays at least half of the gain at the smallest distance inside the "
                     "context, at d and at every smaller distance of the grid (0 when it never does, or when "
@@ -203,6 +204,14 @@ def reach(gains: dict[tuple[int, str], float], distances: Sequence[int]) -> int:
     return best
 
 
+def entry_reach(entry: dict[str, Any], kind: str) -> int | None:
+    """The reach of ``kind`` recomputed from a results.json entry's cells with today's
+    :data:`REACH_DEFINITION` (an older entry's stored ``reach`` may follow an older one); None
+    when the entry has no cell of that kind."""
+    gains = {(int(c["distance"]), c["region"]): float(c["gain"]) for c in entry["cells"] if c["kind"] == kind}
+    return reach(gains, entry.get("distances") or sorted({d for d, _ in gains})) if gains else None
+
+
 def copy_probe(
     model: nn.Module,
     tokens: np.ndarray,
@@ -351,5 +360,5 @@ def run_probes(model: nn.Module, prepared: Any, evaluation: Any, train_context: 
 
 
 __all__ = ["Cell", "DEFAULT_DISTANCES", "KINDS", "PROBES", "ProbeWindows", "REACH_DEFINITION", "REACH_MIN_GAIN", "REGIONS", "cell_for",
-           "cell_losses", "copy_probe", "format_gains", "make_windows", "merge_probe_entries", "probe_cells",
+           "cell_losses", "copy_probe", "entry_reach", "format_gains", "make_windows", "merge_probe_entries", "probe_cells",
            "probe_key", "probe_summary", "reach", "run_probes", "shares_ngram"]
