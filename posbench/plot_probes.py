@@ -3,7 +3,7 @@
 Written only when some run has results.json ``probes`` entries (``eval.probes=[copy]``):
 
 - ``copy_gain_<kind>.<fmt>``: copy gain against distance, one line per group (method, options,
-  model, context; a context extension is its own line, ``<label>+<extension>``), left panel the
+  model, context; a context extension is its own line, ``<label>+<extension>``, dashed), left panel the
   repeat inside the training context, right panel past it; error bars = 95 % interval (t across
   seeds; one seed: the bootstrap over windows); dotted vertical line at the training context.
 - ``copy.md`` / ``copy.csv``: one row per line of the figures, sorted by reach (random spans,
@@ -77,7 +77,7 @@ def _reach_text(entries: Sequence[dict[str, Any]], kind: str) -> str:
 def _gain_text(interval: Interval | None) -> str:
     if interval is None:
         return "-"
-    return f"{interval.mean:+.2f}" + ("" if interval.half_width is None else f" ± {interval.half_width:.2f}")
+    return f"{interval.mean:+.3f}" + ("" if interval.half_width is None else f" ± {interval.half_width:.3f}")
 
 
 def _sorted_labels(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -145,6 +145,7 @@ def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
     context = next(iter(groups.values()))[0]["train_context"]
     for ax, region, title in zip(axes, ("inside", "past"), (f"repeat inside the context (t + k <= {context})",
                                                             f"repeat past the context (t >= {context})")):
+        ticks: set[int] = set()
         for label in _sorted_labels(groups):
             intervals = cell_intervals(groups[label])
             points = sorted((d, iv) for (k, r, d), iv in intervals.items() if k == kind and r == region)
@@ -154,12 +155,17 @@ def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
             y = np.array([iv.mean for _, iv in points])
             low = np.array([iv.mean if iv.low is None else iv.low for _, iv in points])
             high = np.array([iv.mean if iv.high is None else iv.high for _, iv in points])
-            base = label.split("+", 1)[0]
-            ax.errorbar(x, y, yerr=[y - low, high - y], marker="o", ms=3, capsize=2, color=colour(base),
-                        linestyle="--" if "+" in label else "-", label=f"{label} ({len(groups[label])})")
+            extended = "+" in label  # an extension: its own colour, dashed
+            ax.errorbar(x, y, yerr=[y - low, high - y], marker="s" if extended else "o", ms=3, capsize=2,
+                        color=colour(label), linestyle="--" if extended else "-",
+                        label=f"{label} ({len(groups[label])})")
+            ticks.update(int(d) for d in x)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.axvline(context, color="grey", linestyle=":", linewidth=1.0)
         ax.set_xscale("log", base=2)
+        if ticks:
+            ax.set_xticks(sorted(ticks), [str(d) for d in sorted(ticks)], fontsize=8)
+            ax.minorticks_off()
         ax.set_xlabel("distance d between the two copies (tokens)")
         ax.set_title(title, fontsize=10)
     axes[0].set_ylabel("copy gain (nats): control - repeat")
