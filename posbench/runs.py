@@ -206,7 +206,6 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     return results
 
 
-
 def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.device,
                      amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """``posbench eval``'s probes (eval.probes) on ``run``'s model, under its eval.extension."""
