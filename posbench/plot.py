@@ -118,7 +118,7 @@ def _save(fig, out_dir: Path, stem: str, formats: Sequence[str]) -> list[Path]:
 
 
 # Public names of the figure helpers, for the modules that draw beside plot_runs (plot_probes).
-colour, new_figure, save_figure = _colour, _new_figure, _save
+new_figure, save_figure = _new_figure, _save
 
 
 def _ema(values: np.ndarray, weight: float = TRAIN_EMA) -> np.ndarray:

@@ -138,8 +138,13 @@ def copy_csv(groups: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
-    from posbench.plot import colour, new_figure
+    from matplotlib import colormaps
 
+    from posbench.plot import new_figure
+
+    # One colour per line of this figure (method variants and extensions share no colour).
+    palette = colormaps["tab10" if len(groups) <= 10 else "tab20"]
+    colours = {label: palette(i % palette.N) for i, label in enumerate(_sorted_labels(groups))}
     fig = new_figure(11.0, 4.5)
     axes = fig.subplots(1, 2, sharey=True)
     context = next(iter(groups.values()))[0]["train_context"]
@@ -157,7 +162,7 @@ def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
             high = np.array([iv.mean if iv.high is None else iv.high for _, iv in points])
             extended = "+" in label  # an extension: its own colour, dashed
             ax.errorbar(x, y, yerr=[y - low, high - y], marker="s" if extended else "o", ms=3, capsize=2,
-                        color=colour(label), linestyle="--" if extended else "-",
+                        color=colours[label], linestyle="--" if extended else "-",
                         label=f"{label} ({len(groups[label])})")
             ticks.update(int(d) for d in x)
         ax.axhline(0.0, color="grey", linewidth=0.8)
