@@ -123,7 +123,11 @@ def run_eval_section(cfg: DictConfig, run: Run) -> tuple[dict[str, Any], bool]:
         raise PosbenchError(f"eval.replace must be true or false, got {replace!r}")
     own = OmegaConf.select(run.config, "eval", default=None)
     section = OmegaConf.to_container(own, resolve=True) if own is not None else {}
-    section.update({name: value for name, value in asked.items() if value is not None})
+    for name, value in asked.items():
+        if isinstance(value, dict):  # a nested section (eval.copy): merge its set keys into the run's own
+            value = {**(section.get(name) or {}), **{k: v for k, v in value.items() if v is not None}}
+        if value is not None:
+            section[name] = value
     return section, replace
 
 
@@ -132,6 +136,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     from posbench.data import DataConfig, tokenize_with
     from posbench.evaluate import evaluate_model
     from posbench.extension import resolve_extensions
+    from posbench.probes import merge_probe_entries
     from posbench.results import merge_eval_entries, write_results
     from posbench.settings import EvalConfig, from_section
     from posbench.train import autocast_dtype, resolve_device, write_run_figures
@@ -150,6 +155,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
             f"choose eval.lengths <= {limit}"
         )
     evaluation.check_lengths(train_context, need_headline=False)
+    evaluation.check_probe(train_context)
     prepared = run_data(run, log)
     other_path = cfg.get("data", {}).get("path") if cfg.get("data") else None
     if run.results is None and not other_path:
@@ -176,7 +182,9 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         window_stride=evaluation.window_stride, effective_length_eps=evaluation.effective_length_eps,
         extensions=extensions, extension_factor=evaluation.extension_factor,
     )
-    for entry in entries:
+    probes = saved_run_probes(run, prepared, evaluation, device, autocast_dtype(eval_precision(cfg, run), device),
+                              log)
+    for entry in entries + probes:
         entry["data"] = source
         entry["checkpoint_step"] = run.step
         entry["precision"] = precision
@@ -184,9 +192,12 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         # Other text never changes the run's own results.json; it gets a file of its own.
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(other_path).name) or "data"
         out = run.path / f"eval_{slug}.json"
-        write_json_atomic(out, {"method": run.model.method_name, "data": source, "eval": entries})
+        written = {"method": run.model.method_name, "data": source, "eval": entries}
+        if probes:
+            written["probes"] = probes
+        write_json_atomic(out, written)
         log(f"wrote {out}")
-        return {"eval": entries, "path": str(out)}
+        return {**written, "path": str(out)}
     # Two evals of one run at once: each re-reads results.json under the run's results lock and
     # merges its entries into what is there now, so neither loses the other's lengths.
     with FileLock(str(run.path / RESULTS_LOCK)):
@@ -204,8 +215,21 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         # The run's entries (and so its headline) stay; other measurements are kept beside them.
         own_precision = str(OmegaConf.select(run.config, "trainer.precision", default="auto"))
         merge_eval_entries(results, entries, replace, log, recorded={"precision": own_precision})
+        if probes:
+            results["probes"] = merge_probe_entries(results.get("probes", []), probes)
         write_results(run.path, results)
         write_run_figures(run.path, log)
     log(f"updated {run.path / 'results.json'}")
     return results
 
+
+def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.device,
+                     amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """``posbench eval``'s probes (eval.probes) on ``run``'s model, under its eval.extension."""
+    from posbench.extension import resolve_extensions
+    from posbench.probes import run_probes
+
+    if not evaluation.probes:
+        return []
+    evaluation.extension = resolve_extensions(evaluation.extension, run.model.method_name, log=lambda _: None)
+    return run_probes(run.model, prepared, evaluation, int(run.config.trainer.context), device, amp_dtype, log)

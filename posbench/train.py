@@ -116,6 +116,7 @@ def build_spec(cfg: DictConfig) -> RunSpec:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise PosbenchError(f"seed must be an integer, got {seed!r}")
     evaluation.check_lengths(trainer.context, need_headline=True)
+    evaluation.check_probe(trainer.context)
     # Refused (or skipped with a line) now, not after training.
     evaluation.extension = resolve_extensions(evaluation.extension, method, log=logger.info)
     longest = max(max(evaluation.lengths), trainer.context)
@@ -929,8 +930,11 @@ class Trainer:
                 write_results(run_dir, results)
             figures = write_run_figures(run_dir, self.log)
             self.run_logger.log_eval(results["eval"], t.context)
+            from posbench.probes import probe_summary
+
             self.run_logger.summary({"train/final_loss": self.loss_value,
-                                     "train/tokens_per_second": results["train"]["tokens_per_second"]})
+                                     "train/tokens_per_second": results["train"]["tokens_per_second"],
+                                     **probe_summary(results.get("probes", []))})
             self.run_logger.log_figures(figures)
             write_status(run_dir, "completed", method=spec.method, seed=spec.seed)
             band = f"{t.context}-{2 * t.context}"
@@ -1000,9 +1004,15 @@ def evaluate_run(model: Transformer, prepared: Any, spec: RunSpec, device: torch
                              device, split=e.split, log=log, autocast_dtype=amp_dtype,
                              window_stride=e.window_stride, effective_length_eps=e.effective_length_eps,
                              extensions=e.extension, extension_factor=e.extension_factor)
-    return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed,
-            "train_context": spec.trainer.context, "eval": entries,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    results = {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed,
+               "train_context": spec.trainer.context, "eval": entries,
+               "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    from posbench.probes import run_probes
+
+    probes = run_probes(model, prepared, e, spec.trainer.context, device, amp_dtype, log)  # eval.probes
+    if probes:
+        results["probes"] = probes
+    return results
 
 
 def load_resume_state(run_dir: Path, info: DistInfo, log: Callable[[str], None]) -> dict[str, Any] | None:
