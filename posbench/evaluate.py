@@ -92,7 +92,7 @@ def _check_sequences(sequences: Tensor, batch_size: int) -> None:
         raise PosbenchError(f"eval batch size must be positive, got {batch_size}")
 
 
-def _score_rows(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int, device: torch.device,
+def score_rows(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int, device: torch.device,
                 autocast_dtype: torch.dtype | None, vocab_chunk: int | None) -> Tensor:
     """:func:`_last_position_losses` over all rows of CPU tensors, ``batch_size`` rows per
     forward, in inference mode; returns float64 ``(rows, K)`` on the CPU."""
@@ -136,7 +136,7 @@ def per_sequence_loss(
         float64 ``[N, L]`` on the CPU (the float32 losses, widened).
     """
     _check_sequences(sequences, batch_size)
-    return _score_rows(model, sequences[:, :-1], sequences[:, 1:], batch_size, torch.device(device),
+    return score_rows(model, sequences[:, :-1], sequences[:, 1:], batch_size, torch.device(device),
                        autocast_dtype, vocab_chunk)
 
 
@@ -193,7 +193,7 @@ def windowed_loss(
     x, y = sequences[:, :-1], sequences[:, 1:]
     window_inputs = x[:, positions].reshape(-1, positions.shape[1])  # (N * W, C)
     window_targets = y[:, scored].reshape(-1, scored.shape[1])  # (N * W, S)
-    losses = _score_rows(model, window_inputs, window_targets, max(1, batch_size * length // context),
+    losses = score_rows(model, window_inputs, window_targets, max(1, batch_size * length // context),
                          torch.device(device), autocast_dtype, vocab_chunk).view(n, *scored.shape)  # (N, W, S)
     out = torch.empty(n, length - context, dtype=torch.float64)
     out[:, scored[fresh] - context] = losses[:, fresh]

@@ -33,6 +33,8 @@
   on the headline band and lists missing/failed runs.
 - ``paired.md`` / ``paired.csv``: A - B for every pair of groups, on every band past the context
   (loss and cost), with the paired 95 % interval and whether it excludes 0.
+- ``copy_gain_<kind>.<fmt>``, ``copy.md`` / ``copy.csv``: the copy probe (posbench.plot_probes),
+  only when some run has ``probes`` entries.
 
 Groups are runs that differ only by seed (:func:`posbench.compare.run_facets`); failed, refused
 and result-less runs are skipped (:func:`posbench.results.finished_runs`). Curves of one run are
@@ -69,6 +71,7 @@ from posbench.errors import PosbenchError, one_line
 from posbench.figures import FORMATS, check_formats, line_styles, new_figure, no_data, save
 from posbench.io import write_text_atomic
 from posbench.plot_extension import plot_extensions
+from posbench.plot_probes import plot_probes
 from posbench.rundir import RunDir
 from posbench.stats import moving_average, pointwise_t_band
 from posbench.results import (
@@ -464,6 +467,7 @@ def plot_runs(
     out.mkdir(parents=True, exist_ok=True)
 
     extension_files = plot_extensions(runs, out, formats, (splits(runs) or [HEADLINE_SPLIT])[0], log)
+    probe_runs = runs  # with their extension entries: a probe entry per extension
     runs = [r.plain() for r in runs]  # the method comparison reads the plain model's entries
     comparison = compare_runs(runs)
     groups = {label: g.runs for label, g in comparison.groups.items()}
@@ -492,6 +496,7 @@ def plot_runs(
     write_text_atomic(out / "paired.md", "# Paired differences between methods\n\n" + paired_markdown(comparison.pairs))
     write_text_atomic(out / "paired.csv", paired_csv(comparison.pairs))
     files += [out / "bands.md", out / "bands.csv", out / "paired.md", out / "paired.csv"] + extension_files
+    files += plot_probes(probe_runs, out, formats, log)  # copy_gain_*, copy.md/csv when runs have probes
     log(f"wrote {len(files)} files for {len(runs)} runs ({len(groups)} groups) to {out}")
     return {
         "out_dir": str(out),

@@ -18,6 +18,7 @@ from posbench.evaluate import evaluate_model
 from posbench.extension import check_names, resolve_extensions
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.plot import write_run_figures
+from posbench.probes import merge_probe_entries, run_probes
 from posbench.results import merge_eval_entries, read_results_or_quarantine, write_results
 from posbench.rundir import RunDir
 from posbench.settings import EvalConfig, from_section
@@ -124,7 +125,11 @@ def run_eval_section(cfg: DictConfig, run: Run) -> tuple[dict[str, Any], bool]:
         raise PosbenchError(f"eval.replace must be true or false, got {replace!r}")
     own = OmegaConf.select(run.config, "eval", default=None)
     section = OmegaConf.to_container(own, resolve=True) if own is not None else {}
-    section.update({name: value for name, value in asked.items() if value is not None})
+    for name, value in asked.items():
+        if isinstance(value, dict):  # a nested section (eval.copy): merge its set keys into the run's own
+            value = {**(section.get(name) or {}), **{k: v for k, v in value.items() if v is not None}}
+        if value is not None:
+            section[name] = value
     return section, replace
 
 
@@ -145,6 +150,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
             f"choose eval.lengths <= {limit}"
         )
     evaluation.check_lengths(train_context, need_headline=False)
+    evaluation.check_probe(train_context)
     prepared = run_data(run, log)
     other_path = cfg.get("data", {}).get("path") if cfg.get("data") else None
     if run.results is None and not other_path:
@@ -169,16 +175,20 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         window_stride=evaluation.window_stride, effective_length_eps=evaluation.effective_length_eps,
         extensions=extensions, extension_factor=evaluation.extension_factor,
     )
-    for entry in entries:
+    probes = saved_run_probes(run, prepared, evaluation, device, autocast_dtype(eval_precision(cfg, run), device),
+                              log)
+    for entry in entries + probes:
         entry["data"] = source
         entry["checkpoint_step"] = run.step
         entry["precision"] = precision
     if other_path:
         # Other text never changes the run's own results.json; it gets a file of its own.
-        out = RunDir(run.path).write_other_eval(Path(other_path).name,
-                                                {"method": run.model.method_name, "data": source, "eval": entries})
+        written = {"method": run.model.method_name, "data": source, "eval": entries}
+        if probes:
+            written["probes"] = probes
+        out = RunDir(run.path).write_other_eval(Path(other_path).name, written)
         log(f"wrote {out}")
-        return {"eval": entries, "path": str(out)}
+        return {**written, "path": str(out)}
     # Two evals of one run at once: each re-reads results.json under the run's results lock and
     # merges its entries into what is there now, so neither loses the other's lengths.
     rundir = RunDir(run.path)
@@ -195,8 +205,18 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         # The run's entries (and so its headline) stay; other measurements are kept beside them.
         own_precision = str(OmegaConf.select(run.config, "trainer.precision", default="auto"))
         merge_eval_entries(results, entries, replace, log, recorded={"precision": own_precision})
+        if probes:
+            results["probes"] = merge_probe_entries(results.get("probes", []), probes)
         write_results(run.path, results)
         write_run_figures(run.path, log)
     log(f"updated {rundir.results_path}")
     return results
 
+
+def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.device,
+                     amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """``posbench eval``'s probes (eval.probes) on ``run``'s model, under its eval.extension."""
+    if not evaluation.probes:
+        return []
+    evaluation.extension = resolve_extensions(evaluation.extension, run.model.position, log=lambda _: None)
+    return run_probes(run.model, prepared, evaluation, int(run.config.trainer.context), device, amp_dtype, log)

@@ -78,6 +78,10 @@ def _positive(section: str, **values: Any) -> None:
             raise PosbenchError(f"{section}.{name} must be positive, got {value}")
 
 
+# The zero-shot probes of eval.probes and the copy probe's span kinds (posbench/probes.py runs them).
+PROBES = ("copy",)
+KINDS = ("random", "text")
+
 # Trainer settings that change what a run computes (the step count may grow on resume): a resume
 # must keep them, and runs that differ in them are never pooled as seeds.
 RESULT_SETTINGS = ("context", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
@@ -199,6 +203,11 @@ class EvalConfig:
     extension_factor: float | None = None
     """Scaling factor of the extensions; None = L / C at each evaluated length L (dynamic_ntk:
     transformers' factor, default 1)."""
+    probes: list[str] = field(default_factory=list)
+    """Zero-shot probes run after the loss curves, each under every extension: copy (a span
+    repeated at distance d, scored against a control; docs/probes.md). Empty = none."""
+    copy: Any = field(default_factory=dict)
+    """Settings of the copy probe (eval.copy.*, see CopyConfig); a CopyConfig once validated."""
 
     def validate(self) -> None:
         if not self.lengths or any(
@@ -212,6 +221,23 @@ class EvalConfig:
         if self.extension_factor is not None and not self.extension_factor >= 1:
             raise PosbenchError(f"eval.extension_factor must be >= 1 (or null for L / C), got {self.extension_factor}")
         # Extension names are checked by posbench.extension.check_names (it owns them).
+        self.validate_probes()
+
+    def validate_probes(self) -> None:
+        """Check eval.probes and turn eval.copy into a :class:`CopyConfig`."""
+        for name in self.probes:
+            if name not in PROBES:
+                raise PosbenchError(f"unknown eval.probes entry {name!r}; choose from {', '.join(PROBES)}")
+        if not isinstance(self.copy, CopyConfig):
+            if not isinstance(self.copy, dict):
+                raise PosbenchError(f"eval.copy must be a mapping of copy probe settings, got {self.copy!r}")
+            self.copy = from_section(CopyConfig, "eval.copy", self.copy)
+
+    def check_probe(self, train_context: int) -> None:
+        """Refuse copy probe settings that cannot run at ``train_context``, before any work."""
+        c = self.copy
+        if "copy" in self.probes and not c.span < train_context:
+            raise PosbenchError(f"eval.copy.span={c.span} must be below the training context {train_context}")
 
     def check_lengths(self, train_context: int, need_headline: bool) -> None:
         """Refuse lengths below the training context (they have no band at all), and, with
@@ -227,3 +253,37 @@ class EvalConfig:
                 f"headline {train_context}-{2 * train_context} band cannot be measured; add it, e.g. "
                 f"eval.lengths=[{','.join(map(str, sorted(set(self.lengths) | {2 * train_context})))}]"
             )
+
+
+@dataclass
+class CopyConfig:
+    """The copy probe (eval.copy.*; posbench/probes.py, docs/probes.md)."""
+
+    distances: list[int] = field(default_factory=lambda: [32, 64, 128, 192, 256, 320, 384, 512, 768])
+    """Distances d between the two occurrences of the span (each >= span)."""
+    span: int = 32
+    """k: tokens in the repeated span; k - 1 of them are scored."""
+    num_windows: int = 64
+    """Windows per (kind, distance, region), the same windows for every cell and every method."""
+    kinds: list[str] = field(default_factory=lambda: ["random", "text"])
+    """random (ids uniform over the vocabulary: pure retrieval) and/or text (a held-out passage)."""
+    seed: int = 0
+    """Seeds the choice of passages and the random spans (never the model's seed)."""
+    split: str = "validation"
+    """validation or test: held-out text only."""
+
+    def validate(self) -> None:
+        s = "eval.copy"
+        _positive(s, span=self.span, num_windows=self.num_windows)
+        if self.span < 2:
+            raise PosbenchError(f"eval.copy.span must be at least 2 (one token is not scored), got {self.span}")
+        if self.num_windows < 2:
+            raise PosbenchError(f"eval.copy.num_windows must be at least 2 (for an interval), got {self.num_windows}")
+        if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < self.span
+                                     for d in self.distances):
+            raise PosbenchError(f"eval.copy.distances must be integers >= eval.copy.span={self.span}, "
+                                f"got {self.distances}")
+        if not self.kinds or any(k not in KINDS for k in self.kinds):
+            raise PosbenchError(f"eval.copy.kinds must be a non-empty list of {', '.join(KINDS)}, got {self.kinds}")
+        if self.split not in ("validation", "test"):
+            raise PosbenchError(f"eval.copy.split must be validation or test (held-out text), got {self.split!r}")

@@ -48,6 +48,7 @@ from posbench.optim import TrainStep, micro_batching, total_steps
 from posbench.plot import write_run_figures
 from posbench.positions import TrainingPositions
 from posbench.preemption import StopRequest
+from posbench.probes import probe_summary, run_probes
 from posbench.results import read_results_or_quarantine, versions
 from posbench.resume import check_resumable, data_identity, load_resume_state, resolve_run_dir, run_target
 from posbench.rundir import RunDir, RunLocked
@@ -469,6 +470,10 @@ class Trainer:
             raw_model, tokens_per_step = self.raw_model, self.tokens_per_step
             val_loss = self.validate(self.total_steps)
             results = evaluate_run(raw_model, self.prepared, spec, self.device, self.amp_dtype, self.log)
+            probes = run_probes(raw_model, self.prepared, spec.eval, t.context, self.device, self.amp_dtype,
+                                self.log)  # eval.probes
+            if probes:
+                results["probes"] = probes
             train_tokens = self.total_steps * tokens_per_step
             results["train"] = {
                 "tokens": train_tokens, "steps": self.total_steps, "final_loss": self.loss_value,
@@ -494,7 +499,8 @@ class Trainer:
             figures = write_run_figures(run_dir, self.log)
             self.run_logger.log_eval(results["eval"], t.context)
             self.run_logger.summary({"train/final_loss": self.loss_value,
-                                     "train/tokens_per_second": results["train"]["tokens_per_second"]})
+                                     "train/tokens_per_second": results["train"]["tokens_per_second"],
+                                     **probe_summary(results.get("probes", []))})
             self.run_logger.log_figures(figures)
             self.rundir.write_status("completed", method=spec.method, seed=spec.seed)
             band = f"{t.context}-{2 * t.context}"

@@ -1,0 +1,200 @@
+"""The copy probe across runs: figures and a table in ``posbench plot``'s output folder.
+
+Written only when some run has results.json ``probes`` entries (``eval.probes=[copy]``):
+
+- ``copy_gain_<kind>.<fmt>``: copy gain against distance, one line per group (method, options,
+  model, context; a context extension is its own line, ``<label>+<extension>``, dashed), left panel the
+  repeat inside the training context, right panel past it; error bars = 95 % interval (t across
+  seeds; one seed: the bootstrap over windows); dotted vertical line at the training context.
+- ``copy.md`` / ``copy.csv``: one row per line of the figures, sorted by reach (random spans,
+  mean over seeds, highest first): the reach per kind and the gain at every (region, distance).
+  The reach is recomputed from the cells with today's definition (``posbench.probes.entry_reach``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from posbench.compare import group_runs
+from posbench.figures import new_figure, save
+from posbench.io import write_text_atomic
+from posbench.probes import REACH_DEFINITION, entry_reach
+from posbench.results import RunRecord
+from posbench.stats import Interval, across_runs
+
+Key = tuple[str, str, int]  # (kind, region, distance)
+
+
+def probe_groups(runs: Sequence[RunRecord]) -> dict[str, list[dict[str, Any]]]:
+    """``{label: [copy probe entries, one per run]}``: the groups of :func:`posbench.compare.group_runs`,
+    one per extension (``label+extension``); plain model first within a group."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for label, group in group_runs(runs).items():
+        for run in group.runs:
+            for entry in run.results.get("probes") or []:
+                if entry.get("probe") != "copy":
+                    continue
+                extension = entry.get("extension", "none")
+                out.setdefault(label if extension == "none" else f"{label}+{extension}", []).append(entry)
+    return out
+
+
+def cell_intervals(entries: Sequence[dict[str, Any]]) -> dict[Key, Interval]:
+    """Gain per (kind, region, distance) over the runs' entries: t across runs, or the bootstrap
+    over windows of a single run (:func:`posbench.stats.across_runs`)."""
+    per_run: dict[Key, list[float]] = {}
+    windows: dict[Key, list[float]] = {}
+    for entry in entries:
+        for c in entry["cells"]:
+            key = (c["kind"], c["region"], int(c["distance"]))
+            per_run.setdefault(key, []).append(float(c["gain"]))
+            windows[key] = c.get("window_gains") or []
+    return {key: across_runs(values, windows[key] if len(values) == 1 else None) for key, values in per_run.items()}
+
+
+def reaches(entries: Sequence[dict[str, Any]], kind: str) -> list[int]:
+    """Each run's reach of ``kind``, recomputed from its cells (:func:`posbench.probes.entry_reach`)."""
+    return [r for r in (entry_reach(e, kind) for e in entries) if r is not None]
+
+
+def mean_reach(entries: Sequence[dict[str, Any]], kind: str) -> float | None:
+    values = reaches(entries, kind)
+    return float(np.mean(values)) if values else None
+
+
+def _reach_text(entries: Sequence[dict[str, Any]], kind: str) -> str:
+    values = reaches(entries, kind)
+    if not values:
+        return "-"
+    mean = float(np.mean(values))
+    return f"{mean:g}" if len(set(values)) == 1 else f"{mean:g} ({', '.join(map(str, values))})"
+
+
+def _gain_text(interval: Interval | None) -> str:
+    if interval is None:
+        return "-"
+    return f"{interval.mean:+.3f}" + ("" if interval.half_width is None else f" ± {interval.half_width:.3f}")
+
+
+def _sorted_labels(groups: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Highest reach first: of random spans, or of text spans where a group has no random ones."""
+    def reach_of(label: str) -> float:
+        value = mean_reach(groups[label], "random")
+        return value if value is not None else (mean_reach(groups[label], "text") or 0.0)
+
+    return sorted(groups, key=lambda label: -reach_of(label))
+
+
+def _columns(groups: dict[str, list[dict[str, Any]]], kind: str) -> list[tuple[str, int]]:
+    cells = {(c["region"], int(c["distance"])) for es in groups.values() for e in es for c in e["cells"]
+             if c["kind"] == kind}
+    return sorted(cells, key=lambda rd: (rd[0] != "inside", rd[1]))
+
+
+def copy_markdown(groups: dict[str, list[dict[str, Any]]]) -> str:
+    """The table of ``copy.md``: reach and gains per group, sorted by reach."""
+    first = next(iter(groups.values()))[0]
+    kinds = list(dict.fromkeys(k for es in groups.values() for e in es for k in e["kinds"]))
+    lines = ["# Copy probe", "",
+             f"Copy gain = loss(control) - loss(repeat) in nats on the k - 1 = {first['span'] - 1} tokens of the "
+             f"repeat after its first, {first['num_windows']} windows per cell, training context "
+             f"{first['train_context']} (docs/probes.md). Mean ± 95 % interval: t across seeds, or the bootstrap "
+             "over windows for one seed.", "", REACH_DEFINITION.capitalize() + "; per seed in brackets when "
+             "the seeds differ.", ""]
+    labels = _sorted_labels(groups)
+    lines += ["| group | runs | " + " | ".join(f"reach ({k})" for k in kinds) + " |",
+              "|---|---|" + "---|" * len(kinds)]
+    for label in labels:
+        lines.append(f"| {label} | {len(groups[label])} | "
+                     + " | ".join(_reach_text(groups[label], k) for k in kinds) + " |")
+    for kind in kinds:
+        columns = _columns(groups, kind)
+        lines += ["", f"## Gain, {kind} spans", "",
+                  "| group | " + " | ".join(f"{r} d={d}" for r, d in columns) + " |",
+                  "|---|" + "---|" * len(columns)]
+        for label in labels:
+            intervals = cell_intervals(groups[label])
+            lines.append(f"| {label} | " + " | ".join(_gain_text(intervals.get((kind, r, d))) for r, d in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def copy_csv(groups: dict[str, list[dict[str, Any]]]) -> str:
+    """One row per (group, kind, region, distance): gain, interval, runs, windows, and the reach."""
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["group", "kind", "region", "distance", "gain", "low", "high", "interval", "runs", "windows", "reach"])
+    for label in _sorted_labels(groups):
+        entries = groups[label]
+        for (kind, region, distance), iv in sorted(cell_intervals(entries).items(),
+                                                   key=lambda kv: (kv[0][0], kv[0][1] != "inside", kv[0][2])):
+            w.writerow([label, kind, region, distance, f"{iv.mean:.6f}",
+                        "" if iv.low is None else f"{iv.low:.6f}", "" if iv.high is None else f"{iv.high:.6f}",
+                        iv.kind, len(entries), entries[0]["num_windows"], mean_reach(entries, kind)])
+    return buf.getvalue()
+
+
+def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
+    from matplotlib import colormaps
+
+    # One colour per line of this figure (method variants and extensions share no colour).
+    palette = colormaps["tab10" if len(groups) <= 10 else "tab20"]
+    colours = {label: palette(i % palette.N) for i, label in enumerate(_sorted_labels(groups))}
+    fig = new_figure(11.0, 4.5)
+    axes = fig.subplots(1, 2, sharey=True)
+    context = next(iter(groups.values()))[0]["train_context"]
+    for ax, region, title in zip(axes, ("inside", "past"), (f"repeat inside the context (t + k <= {context})",
+                                                            f"repeat past the context (t >= {context})")):
+        ticks: set[int] = set()
+        for label in _sorted_labels(groups):
+            intervals = cell_intervals(groups[label])
+            points = sorted((d, iv) for (k, r, d), iv in intervals.items() if k == kind and r == region)
+            if not points:
+                continue
+            x = np.array([d for d, _ in points], dtype=float)
+            y = np.array([iv.mean for _, iv in points])
+            low = np.array([iv.mean if iv.low is None else iv.low for _, iv in points])
+            high = np.array([iv.mean if iv.high is None else iv.high for _, iv in points])
+            extended = "+" in label  # an extension: its own colour, dashed
+            ax.errorbar(x, y, yerr=[y - low, high - y], marker="s" if extended else "o", ms=3, capsize=2,
+                        color=colours[label], linestyle="--" if extended else "-",
+                        label=f"{label} ({len(groups[label])})")
+            ticks.update(int(d) for d in x)
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.axvline(context, color="grey", linestyle=":", linewidth=1.0)
+        ax.set_xscale("log", base=2)
+        if ticks:
+            ax.set_xticks(sorted(ticks), [str(d) for d in sorted(ticks)], fontsize=8)
+            ax.minorticks_off()
+        ax.set_xlabel("distance d between the two copies (tokens)")
+        ax.set_title(title, fontsize=10)
+    axes[0].set_ylabel("copy gain (nats): control - repeat")
+    axes[1].legend(fontsize=7, loc="best")
+    fig.suptitle(f"Copy probe, {kind} spans: gain against distance (error bars: 95 % interval)")
+    return fig
+
+
+def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str],
+                log: Callable[[str], Any] = print) -> list[Path]:
+    """Write the copy probe's figures and tables into ``out_dir``; nothing when no run has one."""
+    groups = probe_groups(runs)
+    if not groups:
+        return []
+    shas = {e["windows_sha256"] for es in groups.values() for e in es}
+    if len(shas) > 1:
+        log(f"note: the copy probe entries were scored on {len(shas)} different window sets "
+            "(other eval.copy settings or data); their gains are not paired")
+    files: list[Path] = []
+    kinds = list(dict.fromkeys(k for es in groups.values() for e in es for k in e["kinds"]))
+    for kind in kinds:
+        files += save(_gain_figure(groups, kind), out_dir, f"copy_gain_{kind}", formats)
+    write_text_atomic(out_dir / "copy.md", copy_markdown(groups))
+    write_text_atomic(out_dir / "copy.csv", copy_csv(groups))
+    return files + [out_dir / "copy.md", out_dir / "copy.csv"]
+
+
+__all__ = ["cell_intervals", "copy_csv", "copy_markdown", "mean_reach", "plot_probes", "probe_groups", "reaches"]

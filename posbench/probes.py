@@ -1,0 +1,361 @@
+"""The copy probe: can the model still retrieve a span it saw ``d`` tokens earlier?
+
+Zero-shot, on any trained run (docs/probes.md). Every probe window is built from held-out text
+(the validation or test split, never training text):
+
+    repeat:   filler ... S (at p) ... filler ... S (at t = p + d)
+    control:  filler ... filler     ... filler ... S (at t)          (S appears once)
+
+The two windows differ only in positions ``p .. p + k - 1``: the control keeps the filler's own
+text there. The scored targets are the tokens of the second occurrence after its first one
+(positions ``t + 1 .. t + k - 1``, predicted from inputs ``t .. t + k - 2``): nothing in the window
+predicts the first token of the repeat, the rest can be copied. The **copy gain** of a window is
+``loss(control) - loss(repeat)`` on those ``k - 1`` targets; a cell ``(kind, d, region)`` reports
+its mean over windows with a 95 % bootstrap interval.
+
+Where the repeat sits (``C`` = training context, ``k`` = span):
+
+    region "inside": t = C - k          (the repeat ends at the last position of the context; d <= C - k)
+    region "past":   t = max(C, d + k)  (the repeat starts at or after C; at least k filler tokens before p)
+
+and the window has ``L = t + k`` tokens (the model reads ``L - 1``). Span kinds: ``text`` (a
+held-out passage from elsewhere in the split) and ``random`` (``k`` ids uniform over the
+vocabulary, end-of-text excluded: the model's prior cannot predict them, any gain is retrieval).
+
+Windows depend only on the probe's seed and the data, never on the model: every method of a
+sweep is scored on the same windows (``windows_sha256`` in results.json says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from posbench.errors import PosbenchError
+from posbench.evaluate import score_rows
+from posbench.extension import NONE, extended
+from posbench.settings import KINDS, PROBES  # noqa: F401  (names owned by the settings)
+from posbench.stats import bootstrap_interval
+
+REGIONS = ("inside", "past")
+DEFAULT_DISTANCES = (32, 64, 128, 192, 256, 320, 384, 512, 768)
+# Below this gain (nats) at the reference cell the model barely copies even inside C: reach 0. A model that
+# copies random spans gains nats (their control loss is ln V or more); cpu_quick models gain ~0.1.
+REACH_MIN_GAIN = 0.5
+REACH_DEFINITION = ("reach: the largest distance d such that the copy gain of a repeat placed past the "
+                    "training context stays at least half of the gain at the smallest distance inside the "
+                    "context, at d and at every smaller distance of the grid (0 when it never does, or when "
+                    f"that in-context gain is below {REACH_MIN_GAIN} nats)")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Where one (distance, region) puts the two occurrences: first at ``p``, repeat at ``t``."""
+
+    distance: int
+    region: str
+    p: int
+    t: int
+    span: int
+
+    @property
+    def length(self) -> int:
+        """Tokens in the window: the repeat's last token is the last target."""
+        return self.t + self.span
+
+
+def cell_for(distance: int, region: str, train_context: int, span: int) -> Cell | None:
+    """The cell of ``distance`` in ``region`` (rule in the module docstring), or None when the
+    distance does not fit the region (inside C: ``d > C - k``) or the two copies would overlap
+    (``d < k``)."""
+    if region == "inside":
+        t = train_context - span
+        p = t - distance
+        return Cell(distance, region, p, t, span) if p >= 0 and distance >= span else None
+    if region == "past":
+        t = max(train_context, distance + span)
+        return Cell(distance, region, t - distance, t, span) if distance >= span else None
+    raise PosbenchError(f"unknown copy probe region {region!r}; choose from {', '.join(REGIONS)}")
+
+
+def probe_cells(distances: Sequence[int], train_context: int, span: int) -> list[Cell]:
+    """Every (distance, region) cell that fits, inside C first, by distance."""
+    cells = [cell_for(d, r, train_context, span) for r in REGIONS for d in sorted(set(distances))]
+    return [c for c in cells if c is not None]
+
+
+@dataclass
+class ProbeWindows:
+    """The raw material of the probe's windows, shared by every cell: ``filler`` ``(N, Lmax)``
+    held-out passages and ``spans[kind]`` ``(N, k)``; ``sources`` records the stream offsets."""
+
+    filler: np.ndarray
+    spans: dict[str, np.ndarray]
+    filler_offsets: np.ndarray
+    text_offsets: np.ndarray
+
+    def build(self, cell: Cell, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(repeat, control)`` LongTensors ``(N, L)`` of ``cell`` with spans of ``kind``."""
+        span = self.spans[kind]
+        control = self.filler[:, : cell.length].astype(np.int64)  # (N, L)
+        control[:, cell.t : cell.t + cell.span] = span
+        repeat = control.copy()
+        repeat[:, cell.p : cell.p + cell.span] = span
+        return torch.from_numpy(repeat), torch.from_numpy(control)
+
+    def sha256(self) -> str:
+        """Fingerprint of every token the probe reads: equal = the same windows (pairable)."""
+        h = hashlib.sha256(np.ascontiguousarray(self.filler, dtype=np.int64).tobytes())
+        for kind in sorted(self.spans):
+            h.update(kind.encode())
+            h.update(np.ascontiguousarray(self.spans[kind], dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+
+def shares_ngram(context: np.ndarray, span: np.ndarray, n: int) -> bool:
+    """Whether ``context`` holds any ``n`` consecutive tokens of ``span`` (a leak of the answer)."""
+    if n > len(span) or n > len(context):
+        return False
+    grams = {tuple(span[i : i + n]) for i in range(len(span) - n + 1)}
+    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(context), n)
+    return any(tuple(w) in grams for w in windows)
+
+
+def make_windows(tokens: np.ndarray, num_windows: int, max_length: int, span: int, vocab_size: int,
+                 special_ids: Sequence[int], seed: int, kinds: Sequence[str] = KINDS) -> ProbeWindows:
+    """Draw the probe's fillers and spans from the held-out stream ``tokens`` (deterministic in
+    ``seed`` and ``tokens`` alone).
+
+    The stream is cut into non-overlapping slots of ``max_length`` tokens; ``num_windows`` of
+    them (chosen by ``numpy.random.default_rng(seed)``) are the fillers, and the text spans are
+    consecutive ``span``-token pieces of further slots, so no filler and no span share a token
+    of the stream. A text span that shares ``span // 2`` consecutive tokens with its window's
+    filler is replaced by the next unused piece (it would leak the answer to the control).
+    Random spans are ``span`` ids uniform over ``0 .. vocab_size - 1`` without ``special_ids``.
+    """
+    if num_windows < 2:
+        raise PosbenchError(f"eval.copy.num_windows must be at least 2 (for an interval), got {num_windows}")
+    tokens = np.asarray(tokens)
+    slots = len(tokens) // max_length
+    per_slot = max_length // span
+    needed = num_windows + math.ceil(2 * num_windows / per_slot)  # room for replaced (leaking) text spans
+    if slots < needed:
+        raise PosbenchError(
+            f"the copy probe needs {needed} held-out passages of {max_length} tokens but the split holds "
+            f"{len(tokens)} tokens ({slots}); lower eval.copy.num_windows or the largest of eval.copy.distances"
+        )
+    rng = np.random.default_rng(seed)
+    chosen = rng.permutation(slots)[:needed]
+    filler_slots, text_slots = np.sort(chosen[:num_windows]), np.sort(chosen[num_windows:])
+    filler_offsets = filler_slots * max_length
+    filler = np.stack([tokens[o : o + max_length] for o in filler_offsets]).astype(np.int64)  # (N, Lmax)
+    pieces = [int(s) * max_length + j * span for s in text_slots for j in range(per_slot)]
+    spans: dict[str, np.ndarray] = {}
+    text_offsets = np.full(num_windows, -1, dtype=np.int64)
+    if "text" in kinds:
+        text = np.empty((num_windows, span), dtype=np.int64)
+        cursor = 0
+        for i in range(num_windows):
+            while True:
+                if cursor >= len(pieces):
+                    raise PosbenchError("too few held-out text spans that do not repeat their filler; "
+                                        "lower eval.copy.num_windows")
+                offset = pieces[cursor]
+                cursor += 1
+                candidate = np.asarray(tokens[offset : offset + span], dtype=np.int64)
+                if not shares_ngram(filler[i], candidate, max(1, span // 2)):
+                    break
+            text[i], text_offsets[i] = candidate, offset
+        spans["text"] = text
+    if "random" in kinds:
+        allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), dtype=np.int64))
+        spans["random"] = allowed[rng.integers(0, allowed.size, size=(num_windows, span))]
+    return ProbeWindows(filler, spans, filler_offsets, text_offsets)
+
+
+def cell_losses(model: nn.Module, windows: torch.Tensor, cell: Cell, batch_size: int, device: torch.device,
+                autocast_dtype: torch.dtype | None) -> np.ndarray:
+    """Per-window mean loss ``(N,)`` of targets ``t + 1 .. t + k - 1`` of ``windows`` ``(N, L)``."""
+    inputs = windows[:, : cell.length - 1]  # (N, t + k - 1): the last k - 1 inputs are t .. t + k - 2
+    targets = windows[:, cell.t + 1 : cell.length]  # (N, k - 1)
+    return score_rows(model, inputs, targets, batch_size, device, autocast_dtype, None).mean(dim=1).numpy()
+
+
+def reach(gains: dict[tuple[int, str], float], distances: Sequence[int]) -> int:
+    """:data:`REACH_DEFINITION` of one kind's mean gains ``{(distance, region): gain}``."""
+    inside = sorted(d for d, r in gains if r == "inside")
+    if not inside or not gains[(inside[0], "inside")] >= REACH_MIN_GAIN:
+        return 0
+    half = gains[(inside[0], "inside")] / 2
+    best = 0
+    for d in sorted(set(distances)):
+        if (d, "past") not in gains:
+            continue
+        if not gains[(d, "past")] >= half:
+            break
+        best = d
+    return best
+
+
+def entry_reach(entry: dict[str, Any], kind: str) -> int | None:
+    """The reach of ``kind`` recomputed from a results.json entry's cells with today's
+    :data:`REACH_DEFINITION` (an older entry's stored ``reach`` may follow an older one); None
+    when the entry has no cell of that kind."""
+    gains = {(int(c["distance"]), c["region"]): float(c["gain"]) for c in entry["cells"] if c["kind"] == kind}
+    return reach(gains, entry.get("distances") or sorted({d for d, _ in gains})) if gains else None
+
+
+def copy_probe(
+    model: nn.Module,
+    tokens: np.ndarray,
+    train_context: int,
+    *,
+    vocab_size: int,
+    special_ids: Sequence[int],
+    distances: Sequence[int] = DEFAULT_DISTANCES,
+    span: int = 32,
+    num_windows: int = 64,
+    kinds: Sequence[str] = KINDS,
+    seed: int = 0,
+    split: str = "validation",
+    batch_size: int = 16,
+    device: str | torch.device = "cpu",
+    autocast_dtype: torch.dtype | None = None,
+    extensions: Sequence[str] = ("none",),
+    extension_factor: float | None = None,
+    log: Callable[[str], Any] = print,
+) -> list[dict[str, Any]]:
+    """Run the copy probe on ``model``; one results.json ``probes`` entry per extension.
+
+    ``tokens`` is the held-out stream of ``split`` (validation or test: the probe refuses
+    training text). Each entry holds the settings, ``windows_sha256``, ``seconds``, ``reach``
+    (per kind, :data:`REACH_DEFINITION`) and ``cells``: per (kind, distance, region) the
+    positions ``p, t, length``, ``loss_repeat``, ``loss_control``, ``gain`` with its bootstrap
+    ``interval`` over windows, ``count`` and the per-window ``window_gains`` (for pairing).
+    Cells longer than the model's learned positions are left out (logged).
+    """
+    if split == "train":
+        raise PosbenchError("the copy probe reads held-out text only; use eval.copy.split=validation or test")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise PosbenchError(f"unknown eval.copy.kinds {unknown or list(kinds)}; choose from {', '.join(KINDS)}")
+    if not 2 <= span < train_context:
+        raise PosbenchError(f"eval.copy.span must be in 2 .. {train_context - 1}, got {span}")
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < span for d in distances) or not distances:
+        raise PosbenchError(f"eval.copy.distances must be integers >= eval.copy.span={span}, got {list(distances)}")
+    device = torch.device(device)
+    cells = probe_cells(distances, train_context, span)
+    # Sized by the whole grid before any cell is left out, so every model gets the same windows.
+    longest = max(c.length for c in cells)
+    limit = getattr(getattr(model, "position", None), "max_positions", None)
+    if limit is not None:
+        dropped = [c for c in cells if c.length - 1 > limit]
+        if dropped:
+            log(f"copy probe: leaving out {len(dropped)} cells longer than the model's {limit} learned positions "
+                f"({', '.join(f'd={c.distance} {c.region}' for c in dropped)})")
+        cells = [c for c in cells if c.length - 1 <= limit]
+    if not cells:
+        raise PosbenchError("no copy probe cell fits; check eval.copy.distances and eval.copy.span")
+    windows = make_windows(tokens, num_windows, longest, span, vocab_size, special_ids, seed, kinds)
+    entries = []
+    for extension in [NONE, *(e for e in extensions if e != NONE)]:
+        started = time.perf_counter()
+        out_cells, factors = [], {}
+        # The control does not depend on p: cells with the same repeat position t share it.
+        controls: dict[tuple[str, int], np.ndarray] = {}
+        for kind in kinds:
+            for cell in cells:
+                repeat, control = windows.build(cell, kind)
+                with extended(model, extension, train_context, cell.length - 1, extension_factor) as factor:
+                    with_copy = cell_losses(model, repeat, cell, batch_size, device, autocast_dtype)
+                    if (kind, cell.t) not in controls:
+                        controls[(kind, cell.t)] = cell_losses(model, control, cell, batch_size, device, autocast_dtype)
+                without = controls[(kind, cell.t)]
+                factors[cell.length - 1] = factor
+                gains = without - with_copy  # (N,) paired per window
+                interval = bootstrap_interval(gains)
+                out_cells.append({
+                    "kind": kind, "distance": cell.distance, "region": cell.region, "p": cell.p, "t": cell.t,
+                    "length": cell.length, "loss_repeat": float(with_copy.mean()),
+                    "loss_control": float(without.mean()), "gain": interval.mean,
+                    "interval": [interval.low, interval.high], "count": interval.n,
+                    "window_gains": gains.tolist(),
+                })
+        seconds = time.perf_counter() - started
+        entry = {
+            "probe": "copy", "split": split, "extension": extension,
+            "extension_factor": {str(k): v for k, v in factors.items()} if extension != NONE else None,
+            "seed": seed, "span": span, "num_windows": num_windows, "distances": sorted(set(distances)),
+            "kinds": list(kinds), "train_context": train_context, "windows_sha256": windows.sha256(),
+            "seconds": seconds, "reach_definition": REACH_DEFINITION,
+            "reach": {kind: reach({(c["distance"], c["region"]): c["gain"] for c in out_cells if c["kind"] == kind},
+                                  distances) for kind in kinds},
+            "cells": out_cells,
+        }
+        entries.append(entry)
+        label = "" if extension == NONE else f" {extension}"
+        shown = ", ".join(f"{k} {v}" for k, v in entry["reach"].items())
+        log(f"copy probe{label} ({num_windows} windows, {seconds:.1f}s): reach {shown}; "
+            + format_gains(entry))
+    return entries
+
+
+def format_gains(entry: dict[str, Any], kind: str = "random") -> str:
+    """One line of a probe entry's gains of ``kind``: ``inside d=32 +2.10, ... | past ...``."""
+    parts = []
+    for region in REGIONS:
+        cells = [c for c in entry["cells"] if c["kind"] == kind and c["region"] == region]
+        if cells:
+            parts.append(f"{kind} {region} " + " ".join(f"{c['distance']}:{c['gain']:+.2f}" for c in cells))
+    return " | ".join(parts)
+
+
+def probe_key(entry: dict[str, Any]) -> tuple[str, str, str]:
+    """What identifies a probe entry in results.json: (probe, split, extension)."""
+    return str(entry.get("probe")), str(entry.get("split")), str(entry.get("extension", "none"))
+
+
+def merge_probe_entries(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` without the entries ``new`` replaces (same :func:`probe_key`), then ``new``."""
+    replaced = {probe_key(e) for e in new}
+    return [e for e in old if probe_key(e) not in replaced] + list(new)
+
+
+def probe_summary(entries: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Flat scalars for a tracker's run summary: ``probe/copy[/<ext>]/reach_<kind>`` and
+    ``probe/copy[/<ext>]/<kind>/<region>/gain_d<d>``."""
+    out: dict[str, float] = {}
+    for entry in entries:
+        prefix = f"probe/{entry['probe']}" + ("" if entry.get("extension", "none") == "none" else f"/{entry['extension']}")
+        for kind, value in entry["reach"].items():
+            out[f"{prefix}/reach_{kind}"] = value
+        for c in entry["cells"]:
+            out[f"{prefix}/{c['kind']}/{c['region']}/gain_d{c['distance']}"] = c["gain"]
+    return out
+
+
+def run_probes(model: nn.Module, prepared: Any, evaluation: Any, train_context: int, device: torch.device,
+               autocast_dtype: torch.dtype | None, log: Callable[[str], Any]) -> list[dict[str, Any]]:
+    """The probes ``evaluation.probes`` asks for (an :class:`posbench.settings.EvalConfig`), on
+    the held-out split of ``prepared`` (a :class:`posbench.data.PreparedData`), under every
+    extension of ``evaluation.extension``. Empty when no probe is asked for."""
+    if "copy" not in evaluation.probes:
+        return []
+    c = evaluation.copy
+    return copy_probe(model, prepared.tokens(c.split), train_context, vocab_size=prepared.vocab_size,
+                      special_ids=[prepared.eot_id], distances=c.distances, span=c.span,
+                      num_windows=c.num_windows, kinds=c.kinds, seed=c.seed, split=c.split,
+                      batch_size=evaluation.batch_size, device=device, autocast_dtype=autocast_dtype,
+                      extensions=evaluation.extension, extension_factor=evaluation.extension_factor, log=log)
+
+
+__all__ = ["Cell", "DEFAULT_DISTANCES", "KINDS", "PROBES", "ProbeWindows", "REACH_DEFINITION", "REACH_MIN_GAIN", "REGIONS", "cell_for",
+           "cell_losses", "copy_probe", "entry_reach", "format_gains", "make_windows", "merge_probe_entries", "probe_cells",
+           "probe_key", "probe_summary", "reach", "run_probes", "shares_ngram"]

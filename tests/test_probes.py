@@ -1,0 +1,314 @@
+"""The copy probe (posbench/probes.py): window construction, the receptive-field rule of window
+models, untrained models, determinism, held-out text only, and its results.json integration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import posbench
+from posbench.errors import PosbenchError
+from posbench.probes import (
+    REACH_MIN_GAIN,
+    cell_for,
+    copy_probe,
+    make_windows,
+    merge_probe_entries,
+    probe_cells,
+    reach,
+    run_probes,
+    shares_ngram,
+)
+
+V, W, N_LAYERS, K, C = 64, 16, 2, 4, 32
+RECEPTIVE_FIELD = N_LAYERS * (W - 1) + K  # 34: from here on no scored token sees the first copy
+
+
+def stream(size: int = 20000, seed: int = 1) -> np.ndarray:
+    """A held-out stream of ids 1..V-1 (0 plays end-of-text)."""
+    return np.random.default_rng(seed).integers(1, V, size=size)
+
+
+def probe(model, **kwargs):
+    options = dict(vocab_size=V, special_ids=[0], span=K, num_windows=32, kinds=["random", "text"],
+                   distances=[8, RECEPTIVE_FIELD, 40, 48], log=lambda _: None)
+    options.update(kwargs)
+    (entry,) = copy_probe(model, stream(), C, **options)
+    return entry
+
+
+@pytest.fixture(scope="module")
+def copying_window_model():
+    """A tiny 2-layer window model briefly trained on periodic random streams (x[t] = x[t - d],
+    d in 4..12 per row): it learns to copy from inside its window (~15 s on one busy CPU core)."""
+    torch.manual_seed(0)
+    model = posbench.create_model("rope", flavour="tiny", vocab_size=V, attention_window=W)
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(200):
+        x = torch.randint(1, V, (32, 48), generator=g)
+        period = torch.randint(K, 13, (32,), generator=g)
+        idx = torch.arange(48)
+        for i, d in enumerate(period.tolist()):
+            x[i, d:] = x[i, idx[d:] % d]
+        loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, V), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_window_model_has_zero_gain_beyond_its_receptive_field_and_copies_within_it(copying_window_model) -> None:
+    entry = probe(copying_window_model)
+    for cell in entry["cells"]:
+        if cell["distance"] >= RECEPTIVE_FIELD:  # d >= N (W - 1) + k: no path from the first copy
+            assert abs(cell["gain"]) < 1e-5, cell
+            assert max(abs(g) for g in cell["window_gains"]) < 1e-5
+        else:  # d = 8 < W, inside C and past it
+            assert cell["interval"][0] > 0.1, cell
+    assert entry["reach"]["random"] == 8
+
+
+def test_untrained_window_model_is_exactly_blind_beyond_its_receptive_field() -> None:
+    torch.manual_seed(1)
+    model = posbench.create_model("rope", flavour="tiny", vocab_size=V, attention_window=W).eval()
+    entry = probe(model, distances=[RECEPTIVE_FIELD - 1, RECEPTIVE_FIELD])
+    far = [c for c in entry["cells"] if c["distance"] == RECEPTIVE_FIELD]
+    assert far and all(max(abs(g) for g in c["window_gains"]) < 1e-5 for c in far)
+    # one token closer, the first copy's last token reaches the first scored one: the rule is tight
+    near = [c for c in entry["cells"] if c["distance"] == RECEPTIVE_FIELD - 1]
+    assert near and all(max(abs(g) for g in c["window_gains"]) > 1e-7 for c in near)
+
+
+def test_untrained_model_has_no_gain() -> None:
+    torch.manual_seed(2)
+    model = posbench.create_model("rope", flavour="tiny", vocab_size=V).eval()
+    entry = probe(model)
+    for cell in entry["cells"]:
+        # ~0: a few thousandths of a nat against a loss of ln(64) = 4.16, and no reach at all.
+        assert abs(cell["gain"]) < 0.02, cell
+        assert cell["interval"][0] < 0.02 and cell["count"] == 32
+    assert entry["reach"] == {"random": 0, "text": 0}
+
+
+def test_control_and_repeat_differ_only_in_the_first_occurrence() -> None:
+    windows = make_windows(stream(), 8, 60, K, V, [0], seed=3)
+    for cell in probe_cells([8, 20, 40], C, K):
+        for kind in ("random", "text"):
+            repeat, control = windows.build(cell, kind)
+            assert repeat.shape == control.shape == (8, cell.length) and cell.length == cell.t + K
+            differ = (repeat != control).any(dim=0).nonzero().flatten().tolist()
+            assert set(differ) <= set(range(cell.p, cell.p + K)) and differ  # the first copy only
+            span = torch.from_numpy(windows.spans[kind])
+            assert torch.equal(repeat[:, cell.p : cell.p + K], span)
+            assert torch.equal(repeat[:, cell.t :], span) and torch.equal(control[:, cell.t :], span)
+            filler = torch.from_numpy(windows.filler[:, : cell.length])
+            keep = torch.ones(cell.length, dtype=torch.bool)
+            keep[cell.t :] = False
+            assert torch.equal(control[:, keep], filler[:, keep])  # the control is filler + the repeat
+
+
+def test_spans_and_fillers_never_overlap_and_never_leak() -> None:
+    tokens = stream()
+    windows = make_windows(tokens, 16, 60, K, V, [0], seed=4)
+    used = np.zeros(len(tokens), dtype=int)
+    for o in windows.filler_offsets:
+        used[o : o + 60] += 1
+    for o in windows.text_offsets:
+        used[o : o + K] += 1
+    assert used.max() == 1  # no token of the stream serves twice
+    assert not np.isin(windows.spans["random"], [0]).any()  # no special token in random spans
+    for cell in probe_cells([8, 40], C, K):
+        for kind in ("random", "text"):
+            _, control = windows.build(cell, kind)
+            for row, span in zip(control.numpy(), windows.spans[kind]):
+                # nothing before the repeat in the control holds half of the span: no answer to copy
+                assert not shares_ngram(row[: cell.t], span, K // 2)
+    # the first copy ends before the repeat starts, and the repeat ends the window
+    assert all(c.p + K <= c.t and c.length == c.t + K for c in probe_cells([4, 8, 40], C, K))
+
+
+def test_a_text_span_repeating_its_filler_is_replaced() -> None:
+    # The stream repeats a 60-token block: every text piece shares k/2 tokens with every filler.
+    block = np.arange(1, 61)
+    with pytest.raises(PosbenchError, match="do not repeat their filler"):
+        make_windows(np.tile(block, 40), 4, 60, K, V, [0], seed=0)
+    # Only the slots of the first half repeat the block: spans are taken from fresh text.
+    tokens = np.concatenate([np.tile(block, 20), stream(1200, seed=9)])
+    windows = make_windows(tokens, 4, 60, K, V, [0], seed=0)
+    for filler, span in zip(windows.filler, windows.spans["text"]):
+        assert not shares_ngram(filler, span, K // 2)
+
+
+def test_windows_are_deterministic_and_never_depend_on_the_model() -> None:
+    a = make_windows(stream(), 8, 60, K, V, [0], seed=5)
+    b = make_windows(stream(), 8, 60, K, V, [0], seed=5)
+    c = make_windows(stream(), 8, 60, K, V, [0], seed=6)
+    assert a.sha256() == b.sha256() != c.sha256()
+    torch.manual_seed(0)
+    one = probe(posbench.create_model("rope", flavour="tiny", vocab_size=V).eval())
+    torch.manual_seed(1)
+    other = probe(posbench.create_model("alibi", flavour="tiny", vocab_size=V).eval())
+    assert one["windows_sha256"] == other["windows_sha256"]
+    again = probe(posbench.create_model("rope", flavour="tiny", vocab_size=V).eval().requires_grad_(False))
+    assert again["windows_sha256"] == one["windows_sha256"]
+
+
+def test_cells_past_learned_positions_are_left_out_on_the_same_windows() -> None:
+    torch.manual_seed(0)
+    short = posbench.create_model("learned", flavour="tiny", vocab_size=V, method_options={"max_positions": 48}).eval()
+    lines: list[str] = []
+    entry = probe(short, log=lines.append)
+    kept = {(c["distance"], c["region"]) for c in entry["cells"]}
+    # the model reads L - 1 = t + k - 1 tokens: 31, 35, 41, 47 and, for d = 48 past C, 55 > 48
+    assert kept == {(8, "inside"), (8, "past"), (RECEPTIVE_FIELD, "past"), (40, "past")}
+    assert any("leaving out 1 cells" in line and "d=48 past" in line for line in lines)
+    full = probe(posbench.create_model("learned", flavour="tiny", vocab_size=V).eval())
+    assert entry["windows_sha256"] == full["windows_sha256"]  # sized by the whole grid, not by the model
+
+
+def test_tables_recompute_the_reach_from_the_cells() -> None:
+    from posbench.plot_probes import mean_reach
+
+    cells = [{"kind": "random", "region": "inside", "distance": 32, "gain": 0.2},
+             {"kind": "random", "region": "past", "distance": 32, "gain": 0.2}]
+    stale = {"probe": "copy", "distances": [32], "reach": {"random": 32}, "cells": cells}  # written with a 0.1 floor
+    assert mean_reach([stale], "random") == 0.0  # 0.2 < REACH_MIN_GAIN: barely copies
+    assert mean_reach([stale], "text") is None
+
+
+def test_probe_summary_for_the_tracker() -> None:
+    from posbench.probes import probe_summary
+
+    entry = {"probe": "copy", "extension": "none", "reach": {"random": 64},
+             "cells": [{"kind": "random", "region": "past", "distance": 64, "gain": 1.5}]}
+    summary = probe_summary([entry, {**entry, "extension": "yarn"}])
+    assert summary == {"probe/copy/reach_random": 64, "probe/copy/random/past/gain_d64": 1.5,
+                       "probe/copy/yarn/reach_random": 64, "probe/copy/yarn/random/past/gain_d64": 1.5}
+
+
+def test_cells_with_the_same_repeat_position_share_one_control_pass(monkeypatch) -> None:
+    import posbench.probes as probes
+
+    calls: list[int] = []
+    real = probes.cell_losses
+
+    def counted(model, windows, cell, *args):
+        calls.append(cell.t)
+        return real(model, windows, cell, *args)
+
+    monkeypatch.setattr(probes, "cell_losses", counted)
+    torch.manual_seed(0)
+    entry = probe(posbench.create_model("rope", flavour="tiny", vocab_size=V).eval(), distances=[8, 12, 16, 40],
+                  kinds=["random"])
+    # cells: inside d=8,12,16 (t=28), past d=8,12,16 (t=32), past d=40 (t=44): 7 repeats + 3 controls
+    assert len(entry["cells"]) == 7 and len(calls) == 7 + 3
+    inside = {c["loss_control"] for c in entry["cells"] if c["region"] == "inside"}
+    assert len(inside) == 1
+
+
+def test_cell_rule() -> None:
+    # inside C: the repeat ends at C - 1; past C: it starts at max(C, d + k)
+    assert cell_for(8, "inside", 256, 32) is None  # d < k: the copies would overlap
+    inside = cell_for(192, "inside", 256, 32)
+    assert (inside.p, inside.t, inside.length) == (32, 224, 256)
+    assert cell_for(256, "inside", 256, 32) is None  # no room inside C
+    near, far = cell_for(32, "past", 256, 32), cell_for(768, "past", 256, 32)
+    assert (near.p, near.t, near.length) == (224, 256, 288) and (far.p, far.t, far.length) == (32, 800, 832)
+    cells = probe_cells([32, 64, 128, 192, 256, 320, 384, 512, 768], 256, 32)
+    assert [c.distance for c in cells if c.region == "inside"] == [32, 64, 128, 192]
+    assert len([c for c in cells if c.region == "past"]) == 9
+
+
+def test_reach() -> None:
+    gains = {(32, "inside"): 4.0, (64, "inside"): 3.0, (32, "past"): 3.9, (64, "past"): 2.5, (128, "past"): 1.0,
+             (256, "past"): 3.0}
+    assert reach(gains, [32, 64, 128, 256]) == 64  # stops at the first distance below half (2.0)
+    assert reach({**gains, (32, "inside"): REACH_MIN_GAIN / 2}, [32, 64]) == 0  # barely copies at all
+    assert reach({(32, "inside"): 4.0, (32, "past"): 1.0}, [32]) == 0
+
+
+def test_the_probe_reads_held_out_text_only() -> None:
+    class Prepared:
+        vocab_size, eot_id = V, 0
+        asked: list[str] = []
+
+        def tokens(self, split):
+            self.asked.append(split)
+            return stream()
+
+    from posbench.settings import EvalConfig, from_section
+
+    evaluation = from_section(EvalConfig, "eval", {"probes": ["copy"], "copy": {"distances": [8, 40], "span": K,
+                                                                                "num_windows": 4}})
+    prepared = Prepared()
+    model = posbench.create_model("rope", flavour="tiny", vocab_size=V).eval()
+    (entry,) = run_probes(model, prepared, evaluation, C, torch.device("cpu"), None, lambda _: None)
+    assert prepared.asked == ["validation"] and entry["split"] == "validation"
+    with pytest.raises(PosbenchError, match="held-out"):
+        copy_probe(model, stream(), C, vocab_size=V, special_ids=[0], span=K, distances=[8], split="train")
+    with pytest.raises(PosbenchError, match="eval.copy.split"):
+        from_section(EvalConfig, "eval", {"copy": {"split": "train"}})
+    assert run_probes(model, prepared, from_section(EvalConfig, "eval", {}), C, "cpu", None, print) == []
+
+
+@pytest.mark.parametrize("copy, message", [({"span": 1}, "eval.copy.span"), ({"distances": [16]}, "eval.copy.distances"),
+                                           ({"kinds": ["words"]}, "eval.copy.kinds"),
+                                           ({"num_windows": 1}, "eval.copy.num_windows"),
+                                           ({"bogus": 1}, "eval.copy.bogus")])
+def test_bad_copy_settings_are_refused(copy, message) -> None:
+    from posbench.settings import EvalConfig, from_section
+
+    with pytest.raises(PosbenchError, match=message):
+        from_section(EvalConfig, "eval", {"copy": copy})
+    with pytest.raises(PosbenchError, match="eval.probes"):
+        from_section(EvalConfig, "eval", {"probes": ["nonsense"]})
+
+
+def test_merge_keeps_other_probe_entries() -> None:
+    old = [{"probe": "copy", "split": "validation", "extension": "none", "v": 1},
+           {"probe": "copy", "split": "validation", "extension": "yarn", "v": 1}]
+    new = [{"probe": "copy", "split": "validation", "extension": "none", "v": 2}]
+    assert merge_probe_entries(old, new) == [old[1], new[0]]
+
+
+def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
+    from conftest import QUICK_TRAIN, compose_config
+
+    from posbench.results import read_results
+    from posbench.runs import evaluate_saved_run
+    from posbench.train import train
+
+    probe_options = ["eval.probes=[copy]", "eval.copy.distances=[8,40]", "eval.copy.span=4",
+                     "eval.copy.num_windows=4", "eval.copy.kinds=[random]"]
+    run, other = tmp_path / "probed", tmp_path / "plain"
+    train(compose_config("train", [*QUICK_TRAIN, *probe_options]), run, log=lambda _: None)
+    results = read_results(run)
+    (entry,) = results["probes"]
+    assert entry["probe"] == "copy" and entry["extension"] == "none" and entry["kinds"] == ["random"]
+    assert {(c["distance"], c["region"]) for c in entry["cells"]} == {(8, "inside"), (8, "past"), (40, "past")}
+    assert all(c["count"] == 4 and len(c["window_gains"]) == 4 for c in entry["cells"])
+    # posbench eval with an extension adds its entry beside the plain one, replacing the plain one.
+    cfg = compose_config("eval", [f"run={run}", "eval.lengths=[64]", "eval.num_sequences=2", *probe_options,
+                                  "eval.extension=[window]"])
+    evaluate_saved_run(cfg, log=lambda _: None)
+    again = read_results(run)
+    assert [e["extension"] for e in again["probes"]] == ["none", "window"]
+    assert again["probes"][0]["windows_sha256"] == entry["windows_sha256"]
+    assert again["probes"][0]["checkpoint_step"] == 6
+    # training without eval.probes writes no probe entries (the default)
+    # (another seed: a second run of one seed would be shown apart as a copy, not pooled)
+    train(compose_config("train", [*QUICK_TRAIN, "seed=1"]), other, log=lambda _: None)
+    assert "probes" not in read_results(other)
+    # posbench plot: the figure and the table, the extension as its own row; the run without probes is left out
+    from posbench.plot import plot_runs
+
+    out = tmp_path / "comparison"
+    written = plot_runs([str(run), str(other)], out, log=lambda _: None)["files"]
+    assert {str(out / f) for f in ("copy_gain_random.png", "copy.md", "copy.csv")} <= set(written)
+    table = (out / "copy.md").read_text()
+    assert "| rope | 1 |" in table and "| rope+window | 1 |" in table and "inside d=8" in table
+    rows = (out / "copy.csv").read_text().splitlines()
+    assert rows[0].startswith("group,kind,region,distance,gain,low,high") and len(rows) == 1 + 2 * 3
