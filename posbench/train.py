@@ -38,6 +38,7 @@ from posbench.config import check_top_level_keys
 from posbench.distributed import DistInfo, any_rank, barrier, init_distributed, mean_across_ranks, shutdown
 from posbench.errors import PosbenchError, one_line
 from posbench.io import write_json_atomic, write_text_atomic
+from posbench.methods.base import ParameterDrift
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.positions import TrainingPositions, randomize_max_from_config
 from posbench.settings import EvalConfig, TrainerConfig, from_section
@@ -528,6 +529,7 @@ class Trainer:
         self.micro, self.accum = micro_batching(t, self.dist_info.world_size)
         check_memory_fits(spec, self.micro, self.device)
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
+        self.position_drift = ParameterDrift(self.raw_model.position)  # p_0: the seed's init, also on resume
         self.train_positions = TrainingPositions(self.cfg, spec.method, t.context, self.raw_model.position.max_positions,
                                                  spec.seed, self.dist_info.rank, self.device)  # randomized (or arange)
         self.optimizer = make_optimizer(self.raw_model, t, self.device)
@@ -786,6 +788,9 @@ class Trainer:
             value = float(losses.mean() if name == "val_loss" else losses[context:2 * context].mean())
             row[name] = value
             logged["val/" + name.removeprefix("val_")] = value
+        drift = self.position_drift.metrics()  # position/<param>/norm and /move (issue 23)
+        row.update(drift)
+        logged.update(drift)
         if not validation_logged(self.run_dir, step):  # a run resumed at its final step validates it again
             append_metrics(self.run_dir / "metrics.jsonl", row)
         self.run_logger.log_metrics(logged, step=step)
