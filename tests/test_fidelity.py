@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +167,12 @@ def test_training_logs_position_parameter_norms_and_movement_at_each_validation(
     fresh = posbench.create_model("t5", flavour="tiny", vocab_size=results["model"]["vocab_size"]).position.bias.weight.detach()
     expected = float((final - fresh).norm() / fresh.norm())
     assert moves[-1] == pytest.approx(expected, rel=1e-5)
+    # scripts/position_drift.py (for runs trained before the logging) gives the same numbers.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("position_drift", Path(__file__).parents[1] / "scripts" / "position_drift.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (row,) = [r for r in script.drift_rows(tmp_path, []) if r["step"] == 6]
+    assert row["position/bias.weight/move"] == pytest.approx(moves[-1], rel=1e-6)
+    assert row["position/bias.weight/norm"] == pytest.approx(val_rows[-1]["position/bias.weight/norm"], rel=1e-6)
