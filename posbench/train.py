@@ -39,6 +39,7 @@ from posbench.distributed import DistInfo, any_rank, barrier, init_distributed, 
 from posbench.errors import PosbenchError, one_line
 from posbench.hardware import environment_line, run_environment
 from posbench.io import write_json_atomic, write_text_atomic
+from posbench.methods.base import ParameterDrift
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.positions import TrainingPositions, randomize_max_from_config
 from posbench.runlog import HydraRecord
@@ -564,6 +565,7 @@ class Trainer:
         self.micro, self.accum = micro_batching(t, self.dist_info.world_size)
         check_memory_fits(spec, self.micro, self.device)
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
+        self.position_drift = ParameterDrift(self.raw_model.position)  # p_0: the seed's init, also on resume
         self.train_positions = TrainingPositions(self.cfg, spec.method, t.context, self.raw_model.position.max_positions,
                                                  spec.seed, self.dist_info.rank, self.device)  # randomized (or arange)
         self.optimizer = make_optimizer(self.raw_model, t, self.device)
@@ -826,6 +828,9 @@ class Trainer:
             value = float(losses.mean() if name == "val_loss" else losses[context:2 * context].mean())
             row[name] = value
             logged["val/" + name.removeprefix("val_")] = value
+        drift = self.position_drift.metrics()  # position/<param>/norm and /move (issue 23)
+        row.update(drift)
+        logged.update(drift)
         if not validation_logged(self.run_dir, step):  # a run resumed at its final step validates it again
             append_metrics(self.run_dir / "metrics.jsonl", row)
         self.run_logger.log_metrics(logged, step=step)
