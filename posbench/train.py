@@ -43,6 +43,7 @@ from posbench.evaluate import evaluate_run, headline, per_position_loss, validat
 from posbench.hardware import environment_line, run_environment
 from posbench import loggers
 from posbench.loggers import make_progress, wandb_group
+from posbench.methods import ParameterDrift
 from posbench.model import build_model
 from posbench.optim import TrainStep, micro_batching, total_steps
 from posbench.plot import write_run_figures
@@ -157,6 +158,7 @@ class Trainer:
         self.micro, self.accum = micro_batching(t, self.dist_info.world_size)
         check_memory_fits(spec, self.micro, self.device)
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
+        self.position_drift = ParameterDrift(self.raw_model.position)  # p_0: the seed's init, also on resume
         self.train_positions = TrainingPositions(self.cfg, spec.method, t.context, self.raw_model.position.max_positions,
                                                  spec.seed, self.dist_info.rank, self.device)  # randomized (or arange)
         # One pinned host buffer per step, copied without blocking (no per-token Python work).
@@ -399,6 +401,9 @@ class Trainer:
             value = float(losses.mean() if name == "val_loss" else losses[context:2 * context].mean())
             row[name] = value
             logged["val/" + name.removeprefix("val_")] = value
+        drift = self.position_drift.metrics()  # position/<param>/norm and /move (issue 23)
+        row.update(drift)
+        logged.update(drift)
         if not self.rundir.validation_logged(step):  # a run resumed at its final step validates it again
             self.rundir.append_metrics(row)
         self.run_logger.log_metrics(logged, step=step)

@@ -418,7 +418,7 @@ def test_t5_default_buckets_explicit():
 
 def test_t5_score_term_shared_across_layers_and_uses_buckets():
     H, T = 4, 300
-    m = make("t5", d_model=32, n_heads=H, n_layers=3)
+    m = make("t5", d_model=32, n_heads=H, n_layers=3, bias_scale=1.0)  # the table itself (scaling: test_fidelity)
     with torch.no_grad():
         m.bias.weight.normal_()
     q, _ = qk(B=1, H=H, T=T, D=8, dtype=torch.float32)

@@ -15,6 +15,7 @@ from posbench.settings import coerce_value
 from posbench.methods.base import (
     InputTable,
     ModelDims,
+    ParameterDrift,
     PositionMethod,
     Rotary,
     ScoreFn,
@@ -104,6 +105,7 @@ for _module in _method_modules():
 __all__ = [
     "InputTable",
     "ModelDims",
+    "ParameterDrift",
     "PositionMethod",
     "ScoreFn",
     "ValueTerm",

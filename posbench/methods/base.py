@@ -137,6 +137,11 @@ class PositionMethod(nn.Module):
         """A value-side term for ``layer`` (see :class:`ValueTerm`), or None."""
         return None
 
+    def position_parameters(self) -> dict[str, nn.Parameter]:
+        """The method's learned position parameters by name (logged as they train, see
+        :class:`ParameterDrift`). Default: every trainable parameter registered on the method."""
+        return {name: p for name, p in self.named_parameters() if p.requires_grad}
+
     def extra_repr(self) -> str:
         return f"name={self.name}"
 
@@ -189,6 +194,29 @@ def interpolate_rows(weight: Tensor, positions: Tensor) -> Tensor:
     high = (low + 1).clamp(max=weight.shape[0] - 1)
     frac = (positions - low.double()).to(weight.dtype)[:, None]  # (T, 1)
     return weight[low] * (1 - frac) + weight[high] * frac  # (T, d)
+
+
+class ParameterDrift:
+    """How far a method's learned position parameters have moved from their initialisation.
+
+    Snapshot the parameters when the model is built (the seed's initialisation, also when the run
+    later resumes from a checkpoint); :meth:`metrics` then gives, per parameter, its norm
+    ``position/<name>/norm`` and its relative movement ``position/<name>/move`` =
+    ||p_t - p_0|| / ||p_0|| (the absolute ||p_t - p_0|| where p_0 = 0, e.g. cope's zero tables).
+    """
+
+    def __init__(self, method: PositionMethod) -> None:
+        self.method = method
+        self.initial = {name: p.detach().float().cpu().clone() for name, p in method.position_parameters().items()}
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, param in self.method.position_parameters().items():
+            now, start = param.detach().float().cpu(), self.initial[name]
+            moved, start_norm = float((now - start).norm()), float(start.norm())
+            out[f"position/{name}/norm"] = float(now.norm())
+            out[f"position/{name}/move"] = moved / start_norm if start_norm > 0 else moved
+        return out
 
 
 def needs(tensor: Tensor | None, what: str, method: str) -> Tensor:

@@ -5,9 +5,18 @@ below ``num_buckets / 2`` get a bucket each; larger ones share logarithmically w
 ``max_distance``, beyond which everything falls in the last bucket, so any length works. One table
 is shared by all layers, as in T5.
 
+The bias is ``bias_scale * table[bucket, h]``, ``bias_scale`` defaulting to sqrt(D) (D = head
+dimension) as in x-transformers (``RelativePositionBias(scale=dim_head ** 0.5)``): the logits are
+q.k / sqrt(D) here, and the scale lets the bias move on their scale with Adam at posbench's
+learning rate (400 steps at lr 2e-3 move an unscaled entry by well under a nat). The table starts
+at N(0, ``init_std`` = 0.02), so the initial bias has std 0.02 sqrt(D) (0.11 at D = 32), close to
+T5's own initialisation d_model^-0.5 (0.088 at d_model = 128). ``bias_scale: 1`` reproduces the
+unscaled bias of posbench before issue 23 bitwise (docs/fidelity.md).
+
 Two differences from ``transformers``' T5 worth knowing:
-- Scaling: T5 applies no 1/sqrt(d) to q.k (its initialisation folds it into the weights).
-  posbench, like every method here, applies 1/sqrt(D) to q.k and adds the bias unscaled.
+- Scaling: T5 applies no 1/sqrt(d) to q.k (its initialisation folds it into the weights) and
+  adds the bias unscaled, training with Adafactor. posbench, like every method here, applies
+  1/sqrt(D) to q.k; the bias follows x-transformers' port (scaled by ``bias_scale``).
 - The last bucket: with the defaults (32 buckets, max_distance 128) bucket 31 starts at distance
   113, not 128: bucket = 16 + floor(16 * log(n / 16) / log(8)) reaches 31 once
   n >= 16 * 8^(15/16) = 112.4. Distances 113 and beyond all share it (as in T5 itself).
@@ -39,11 +48,17 @@ class T5Bias(PositionMethod):
     has_score_term = True
 
     def __init__(
-        self, dims: ModelDims, *, num_buckets: int = 32, max_distance: int = 128, init_std: float = 0.02
+        self, dims: ModelDims, *, num_buckets: int = 32, max_distance: int = 128, init_std: float = 0.02,
+        bias_scale: float | None = None,
     ) -> None:
+        """``bias_scale``: factor on the learned table; None = sqrt(head_dim) (x-transformers),
+        1.0 = the unscaled bias of posbench before issue 23."""
         super().__init__(dims)
         if num_buckets < 2 or max_distance <= num_buckets // 2:
             raise ValueError("t5 needs num_buckets >= 2 and max_distance > num_buckets / 2")
+        self.bias_scale = float(dims.head_dim**0.5 if bias_scale is None else bias_scale)
+        if not self.bias_scale > 0:
+            raise ValueError(f"t5 needs bias_scale > 0 (or null for sqrt(head_dim)), got {bias_scale}")
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         self.bias = nn.Embedding(num_buckets, dims.n_heads)  # (buckets, H), shared across layers
@@ -54,7 +69,7 @@ class T5Bias(PositionMethod):
         nn.init.normal_(self.bias.weight, std=self.init_std)
 
     def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
-        table = self.bias.weight
+        table = self.bias.weight if self.bias_scale == 1.0 else self.bias.weight * self.bias_scale  # (buckets, H)
         num_buckets, max_distance = self.num_buckets, self.max_distance
 
         def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -64,4 +79,4 @@ class T5Bias(PositionMethod):
         return bias
 
     def extra_repr(self) -> str:
-        return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}"
+        return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, bias_scale={self.bias_scale:g}"
