@@ -12,9 +12,10 @@ same seed are the same experiment twice, never two seeds: the repeat goes to a g
 labelled ``copy 2`` (by path order), and :func:`grouping_notes` says so.
 
 Every number is taken per run and then summarised with :mod:`posbench.stats`: a t-interval across
-seeds (>= 2 runs) or a bootstrap over the sequences of the single run. Bands come from the
-shortest evaluated length that holds them (like the band figure); the scalars of the longest
-length (cumulative perplexity, effective length) are named after it.
+seeds (>= 2 runs) or a bootstrap over the sequences of the single run. Bands come from the run's own
+entries (not those `posbench eval` added later), from the shortest evaluated length that holds them
+(like the band figure); the scalars of the longest length (cumulative perplexity, effective
+length) are named after it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from posbench.methods import list_methods
-from posbench.results import RunRecord, plain_entries
+from posbench.results import RunRecord, headline_entries, plain_entries
 from posbench.settings import RESULT_SETTINGS
 from posbench.stats import Interval, across_runs, paired_difference
 
@@ -53,10 +54,23 @@ class Group:
     """1, or n for the n-th run of a seed already in the group (the same experiment repeated)."""
 
 
-def _digest(value: Any) -> str | None:
-    """A short, stable checksum of ``value`` (None stays None: not recorded)."""
+class _Absent:
+    """A facet a run does not record at all (older results.json, no config.yaml): shown as
+    ``unknown``; a value recorded as null is None, shown as ``none``."""
+
+    def __repr__(self) -> str:
+        return "unknown"
+
+    __str__ = __repr__
+
+
+ABSENT = _Absent()
+
+
+def _digest(value: Any) -> Any:
+    """A short, stable checksum of ``value`` (None: not recorded, ABSENT)."""
     if value is None:
-        return None
+        return ABSENT
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
@@ -79,17 +93,17 @@ def _windows(run: RunRecord) -> dict[str, Any] | None:
 
 def run_facets(run: RunRecord) -> dict[str, Any]:
     """What identifies a run's experiment besides its seed, flattened to ``name: value``: two
-    runs belong to one group exactly when these agree. A value a run does not record is None
-    (shown as ``unknown``)."""
+    runs belong to one group exactly when these agree. A value a run does not record is
+    ``ABSENT`` (shown as ``unknown``), a value recorded as null is None (shown as ``none``)."""
     options = run.results.get("method_options") or {}
     model = {k: v for k, v in (run.results.get("model") or {}).items() if k not in _MODEL_RESULT_KEYS}
     facets: dict[str, Any] = {str(k): v for k, v in sorted(options.items())}
     facets.update({f"model.{k}": v for k, v in sorted(model.items())})
     facets["C"] = run.train_context
     train = run.results["train"]
-    facets["steps"], facets["tokens"] = train.get("steps"), train.get("tokens")
+    facets["steps"], facets["tokens"] = train.get("steps", ABSENT), train.get("tokens", ABSENT)
     trainer = run.config.get("trainer") or {}
-    facets.update({f"trainer.{name}": trainer.get(name) for name in RESULT_SETTINGS
+    facets.update({f"trainer.{name}": trainer.get(name, ABSENT) for name in RESULT_SETTINGS
                    if name not in ("context", "precision")})  # the context is C; precision resolved:
     facets["precision"] = run.precision
     facets["data"] = _digest(_data_identity(run))
@@ -98,7 +112,12 @@ def run_facets(run: RunRecord) -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    return "unknown" if value is None else str(value)
+    return "none" if value is None else str(value)
+
+
+def _encoded(value: Any) -> str:
+    """``value`` as JSON, ABSENT apart from every recorded value (None included)."""
+    return json.dumps(value, sort_keys=True, default=lambda v: "\0absent" if v is ABSENT else str(v))
 
 
 def method_order(methods: Iterable[str]) -> list[str]:
@@ -108,16 +127,42 @@ def method_order(methods: Iterable[str]) -> list[str]:
     return [m for m in known if m in present] + sorted(present - set(known))
 
 
+def _differing(facets: Sequence[dict[str, Any]]) -> list[str]:
+    """The facet names whose values are not the same in all of ``facets`` (same keys each)."""
+    return [n for n in facets[0] if len({_encoded(f[n]) for f in facets}) > 1] if facets else []
+
+
+def _label_facets(facets: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Candidate lists of facet names to label groups with ``facets`` (one dict per group),
+    shortest first; the caller takes the first that keeps every label unique. A model preset
+    that differs stands for the model settings that follow from it (``model.flavour``, plus
+    the model settings that still differ within one preset), the tokens for the steps."""
+    differ = _differing(facets)
+    full = list(differ)
+    if "model.flavour" in differ:
+        by_flavour: dict[str, list[dict[str, Any]]] = {}
+        for f in facets:
+            by_flavour.setdefault(_encoded(f["model.flavour"]), []).append(f)
+        within = {n for same in by_flavour.values() for n in _differing(same) if n.startswith("model.")}
+        differ = [n for n in differ if not n.startswith("model.") or n in within] + ["model.flavour"]
+    if "steps" in differ:  # the tokens follow from the steps (and the batch, named when it differs)
+        differ = [n for n in differ if n != "tokens"]
+    return [differ, full]
+
+
 def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
     """Groups keyed by label, in method registry order: runs that differ only by seed (see
     :func:`run_facets`). A method with one group is labelled by its name; otherwise each label
-    lists the facets that differ between that method's groups (``model.flavour`` alone when the
-    model preset differs), and a repeated seed's group ``copy n``."""
+    lists the facets that differ between that method's groups (``model.flavour`` for the model
+    settings that follow from the preset, as long as the labels stay apart), and a repeated
+    seed's group ``copy n``. Labels are unique: a group never replaces another."""
+    all_facets = [run_facets(run) for run in runs]
+    names = sorted({n for f in all_facets for n in f})  # every run gets every key (ABSENT: not recorded)
     by_key: dict[tuple[str, str], list[RunRecord]] = {}
     facets_of: dict[tuple[str, str], dict[str, Any]] = {}
-    for run in runs:
-        facets = run_facets(run)
-        key = (run.method, json.dumps(facets, sort_keys=True, default=str))
+    for run, recorded in zip(runs, all_facets):
+        facets = {n: recorded.get(n, ABSENT) for n in names}
+        key = (run.method, _encoded(facets))
         by_key.setdefault(key, []).append(run)
         facets_of[key] = facets
     split: dict[tuple[str, str], list[Group]] = {}
@@ -134,20 +179,20 @@ def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
     groups: dict[str, Group] = {}
     for method in method_order({m for m, _ in by_key}):
         keys = [k for k in by_key if k[0] == method]
-        differ: list[str] = []
-        if len(keys) > 1:
-            names = sorted({n for k in keys for n in facets_of[k]})
-            differ = [n for n in names if len({json.dumps(facets_of[k].get(n), default=str) for k in keys}) > 1]
-            if "model.flavour" in differ:
-                differ = [n for n in differ if not n.startswith("model.")] + ["model.flavour"]
-            if "steps" in differ:  # the tokens follow from the steps (and the batch, named when it differs)
-                differ = [n for n in differ if n != "tokens"]
         mine = [g for k in keys for g in split[k]]
-        for g in mine:
-            parts = [f"{n}={_shown(g.facets.get(n))}" for n in differ] + ([f"copy {g.copy}"] if g.copy > 1 else [])
-            g.label = f"{method}[{','.join(parts)}]" if parts else method
+        candidates = _label_facets([facets_of[k] for k in keys]) if len(keys) > 1 else [[]]
+        for differ in candidates:
+            for g in mine:
+                parts = [f"{n}={_shown(g.facets[n])}" for n in differ] + ([f"copy {g.copy}"] if g.copy > 1 else [])
+                g.label = f"{method}[{','.join(parts)}]" if parts else method
+            if len({g.label for g in mine}) == len(mine):
+                break
         for g in sorted(mine, key=lambda g: g.label):
             g.runs.sort(key=lambda r: str(r.seed))
+            label, n = g.label, 1
+            while g.label in groups:  # values that print alike (2 and "2"): never overwrite a group
+                n += 1
+                g.label = f"{label}#{n}"
             groups[g.label] = g
     return groups
 
@@ -209,10 +254,15 @@ def run_values(run: RunRecord, split: str) -> dict[str, Value]:
 
     ``band:<b>`` and ``windowed:<b>`` (loss), ``cost:<b>`` (full minus windowed, bands past C),
     ``ppl_ratio:<b>`` (PPL(b) / PPL(0-C)), each from the shortest length holding the band;
+    read from the run's own entries (those ``posbench eval`` added later are left out, see
+    :func:`posbench.results.headline_entries`);
     ``cum_ppl@<L>``, ``effective_length@<L>``, ``effective_length_windowed@<L>`` of the longest
     length ``L``.
     """
-    entries = sorted((e for e in run.results["eval"] if e["split"] == split), key=lambda e: e["length"])
+    # The run's own entries only: one ``posbench eval`` added at a new length (``added``) never
+    # replaces a band of the training-time evaluation (like the headline, see headline_entries).
+    own = headline_entries(e for e in run.results["eval"] if e["split"] == split)
+    entries = sorted(own, key=lambda e: e["length"])
     values: dict[str, Value] = {}
 
     def put(name: str, block: dict[str, Any] | None, band: str, sha: str | None, ratio: bool = False) -> None:

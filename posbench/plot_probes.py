@@ -3,7 +3,8 @@
 Written only when some run has results.json ``probes`` entries (``eval.probes=[copy]``):
 
 - ``copy_gain_<kind>.<fmt>``: copy gain against distance, one line per group (method, options,
-  model, context; a context extension is its own line, ``<label>+<extension>``, dashed), left panel the
+  model, context; a context extension is its own line, ``<label>+<extension>``, dashed; so is
+  another split, ``variant`` or window set, see :func:`probe_groups`), left panel the
   repeat inside the training context, right panel past it; error bars = 95 % interval (t across
   seeds; one seed: the bootstrap over windows); dotted vertical line at the training context.
 - ``copy.md`` / ``copy.csv``: one row per line of the figures, sorted by reach (random spans,
@@ -32,15 +33,33 @@ Key = tuple[str, str, int]  # (kind, region, distance)
 
 def probe_groups(runs: Sequence[RunRecord]) -> dict[str, list[dict[str, Any]]]:
     """``{label: [copy probe entries, one per run]}``: the groups of :func:`posbench.compare.group_runs`,
-    one per extension (``label+extension``); plain model first within a group."""
-    out: dict[str, list[dict[str, Any]]] = {}
+    split by what the entries measured: extension (``label+extension``), split, ``variant``
+    (an entry ``posbench eval`` measured otherwise, see :func:`posbench.probes.merge_probe_entries`)
+    and windows (``windows_sha256``); only entries of one measurement are pooled. What tells
+    a label's lines apart is named in brackets (``rope (num_windows=8)``, ``rope (test)``,
+    ``rope (windows=1a2b3c4d)``); entries a later one replaced (``variant: replaced``) are left out."""
+    keyed: dict[tuple[str, str, str, str, int], list[dict[str, Any]]] = {}
     for label, group in group_runs(runs).items():
         for run in group.runs:
+            seen: dict[tuple[str, str, str, str], int] = {}
             for entry in run.results.get("probes") or []:
-                if entry.get("probe") != "copy":
+                if entry.get("probe") != "copy" or entry.get("variant") == "replaced":
                     continue
-                extension = entry.get("extension", "none")
-                out.setdefault(label if extension == "none" else f"{label}+{extension}", []).append(entry)
+                extension = str(entry.get("extension", "none"))
+                base = label if extension == "none" else f"{label}+{extension}"
+                measured = (base, str(entry.get("split")), str(entry.get("variant") or ""), str(entry.get("windows_sha256")))
+                repeat = seen[measured] = seen.get(measured, 0) + 1  # one entry per run in a line
+                keyed.setdefault((*measured, repeat), []).append(entry)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for key in keyed:
+        base, split, variant, windows, repeat = key
+        alike = [k for k in keyed if k[0] == base]
+        parts = [split] if len({k[1] for k in alike}) > 1 else []
+        parts += [variant] if variant else []
+        if len({k[3] for k in alike if k[1:3] == key[1:3]}) > 1:  # same split and variant, other windows
+            parts.append(f"windows={windows[:8]}")
+        parts += [f"#{repeat}"] if repeat > 1 else []
+        out[f"{base} ({', '.join(parts)})" if parts else base] = keyed[key]
     return out
 
 
@@ -100,17 +119,24 @@ def copy_markdown(groups: dict[str, list[dict[str, Any]]]) -> str:
     """The table of ``copy.md``: reach and gains per group, sorted by reach."""
     first = next(iter(groups.values()))[0]
     kinds = list(dict.fromkeys(k for es in groups.values() for e in es for k in e["kinds"]))
+    # Settings that differ between lines get a column of their own, never the first line's value.
+    settings = {"span": "k", "num_windows": "windows per cell", "train_context": "training context"}
+    varying = [name for name in settings if len({e.get(name) for es in groups.values() for e in es}) > 1]
+    span = "k - 1" if "span" in varying else f"k - 1 = {first['span'] - 1}"
+    windows = "" if "num_windows" in varying else f", {first['num_windows']} windows per cell"
+    context = "" if "train_context" in varying else f", training context {first['train_context']}"
+    per_line = f" ({', '.join(settings[n] for n in varying)}: per line in the table)" if varying else ""
     lines = ["# Copy probe", "",
-             f"Copy gain = loss(control) - loss(repeat) in nats on the k - 1 = {first['span'] - 1} tokens of the "
-             f"repeat after its first, {first['num_windows']} windows per cell, training context "
-             f"{first['train_context']} (docs/probes.md). Mean ± 95 % interval: t across seeds, or the bootstrap "
-             "over windows for one seed.", "", REACH_DEFINITION.capitalize() + "; per seed in brackets when "
-             "the seeds differ.", ""]
+             f"Copy gain = loss(control) - loss(repeat) in nats on the {span} tokens of the "
+             f"repeat after its first{windows}{context}{per_line} (docs/probes.md). Mean ± 95 % interval: t across "
+             "seeds, or the bootstrap over windows for one seed.", "", REACH_DEFINITION.capitalize() + "; per seed "
+             "in brackets when the seeds differ.", ""]
     labels = _sorted_labels(groups)
-    lines += ["| group | runs | " + " | ".join(f"reach ({k})" for k in kinds) + " |",
-              "|---|---|" + "---|" * len(kinds)]
+    lines += ["| group | runs | " + "".join(f"{settings[n]} | " for n in varying)
+              + " | ".join(f"reach ({k})" for k in kinds) + " |",
+              "|---|---|" + "---|" * (len(varying) + len(kinds))]
     for label in labels:
-        lines.append(f"| {label} | {len(groups[label])} | "
+        lines.append(f"| {label} | {len(groups[label])} | " + "".join(f"{groups[label][0][n]} | " for n in varying)
                      + " | ".join(_reach_text(groups[label], k) for k in kinds) + " |")
     for kind in kinds:
         columns = _columns(groups, kind)
@@ -187,7 +213,7 @@ def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str]
     shas = {e["windows_sha256"] for es in groups.values() for e in es}
     if len(shas) > 1:
         log(f"note: the copy probe entries were scored on {len(shas)} different window sets "
-            "(other eval.copy settings or data); their gains are not paired")
+            "(other eval.copy settings or data); they are shown as separate lines, never pooled")
     files: list[Path] = []
     kinds = list(dict.fromkeys(k for es in groups.values() for e in es for k in e["kinds"]))
     for kind in kinds:

@@ -322,10 +322,65 @@ def probe_key(entry: dict[str, Any]) -> tuple[str, str, str]:
     return str(entry.get("probe")), str(entry.get("split")), str(entry.get("extension", "none"))
 
 
-def merge_probe_entries(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``old`` without the entries ``new`` replaces (same :func:`probe_key`), then ``new``."""
-    replaced = {probe_key(e) for e in new}
-    return [e for e in old if probe_key(e) not in replaced] + list(new)
+# The settings a probe entry was measured under, beyond its key: two entries of one key that
+# differ in any of them measured something else (other windows, cells, precision or checkpoint).
+PROBE_MEASUREMENT_FIELDS = ("num_windows", "span", "seed", "kinds", "distances", "windows_sha256", "precision",
+                            "checkpoint_step")
+
+
+def _shown_setting(value: Any) -> str:
+    return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def probe_variant_label(new: dict[str, Any], reference: dict[str, Any],
+                        recorded: dict[str, Any] | None = None) -> str | None:
+    """``name=value,...`` for the settings (``PROBE_MEASUREMENT_FIELDS``) where ``new`` differs
+    from ``reference``, None when it differs in none. A setting the reference does not record
+    (``recorded`` fills in the run's own, e.g. its precision) is no difference; other windows
+    that follow from another count, span, seed or kinds are not named twice."""
+    theirs = {name: reference.get(name, (recorded or {}).get(name)) for name in PROBE_MEASUREMENT_FIELDS}
+    differs = [name for name in PROBE_MEASUREMENT_FIELDS
+               if theirs[name] is not None and new.get(name) != theirs[name]]
+    if "windows_sha256" in differs and set(differs) & {"num_windows", "span", "seed", "kinds"}:
+        differs.remove("windows_sha256")
+    return ",".join(f"windows={str(new.get(name))[:12]}" if name == "windows_sha256"
+                    else f"{name}={_shown_setting(new.get(name))}" for name in differs) or None
+
+
+def merge_probe_entries(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]], replace: bool = False,
+                        log: Callable[[str], Any] = lambda _: None,
+                        recorded: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """``posbench eval``'s probe entries ``new`` merged into a run's ``old`` ones, like
+    :func:`posbench.results.merge_eval_entries`: each new entry is compared with the run's own
+    entry of its :func:`probe_key` (the one without ``variant``):
+    - none (another split or extension): added;
+    - measured the same way (same windows, cells, precision...): the new one replaces it (the
+      same measurement at the run's checkpoint: nothing the run reported changes);
+    - measured otherwise (:func:`probe_variant_label`, e.g. ``num_windows=8``): kept beside it
+      with ``variant`` = that label, replacing only a variant of the same key and label
+      (``replace``: it becomes the run's entry, the old one is kept as variant ``replaced``).
+    ``recorded``: settings the run's own entries do not carry (its precision)."""
+    current = list(old)
+    for entry in new:
+        key = probe_key(entry)
+        own = next((e for e in current if probe_key(e) == key and "variant" not in e), None)
+        label = None if own is None else probe_variant_label(entry, own, recorded)
+        described = f"copy probe {key[1]} extension {key[2]}"
+        if own is None:
+            current.append(entry)
+        elif label is None:
+            current = [e for e in current if e is not own] + [entry]
+            log(f"the {described} replaces the run's entry: measured the same way")
+        elif replace:
+            current = [e for e in current if e is not own and (probe_key(e), e.get("variant")) != (key, "replaced")]
+            current += [{**own, "variant": "replaced"}, entry]
+            log(f"eval.replace=true: the {described} replaces the run's entry (kept as variant 'replaced')")
+        else:
+            current = [e for e in current if (probe_key(e), e.get("variant")) != (key, label)]
+            current.append({**entry, "variant": label})
+            log(f"kept the run's {described}; the new one ({label}) is stored beside it under that variant "
+                "(eval.replace=true makes it the run's entry instead)")
+    return current
 
 
 def probe_summary(entries: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -333,6 +388,8 @@ def probe_summary(entries: Sequence[dict[str, Any]]) -> dict[str, float]:
     ``probe/copy[/<ext>]/<kind>/<region>/gain_d<d>``."""
     out: dict[str, float] = {}
     for entry in entries:
+        if "variant" in entry:  # the run's own entries only
+            continue
         prefix = f"probe/{entry['probe']}" + ("" if entry.get("extension", "none") == "none" else f"/{entry['extension']}")
         for kind, value in entry["reach"].items():
             out[f"{prefix}/reach_{kind}"] = value
@@ -356,6 +413,6 @@ def run_probes(model: nn.Module, prepared: Any, evaluation: Any, train_context: 
                       extensions=evaluation.extension, extension_factor=evaluation.extension_factor, log=log)
 
 
-__all__ = ["Cell", "DEFAULT_DISTANCES", "KINDS", "PROBES", "ProbeWindows", "REACH_DEFINITION", "REACH_MIN_GAIN", "REGIONS", "cell_for",
+__all__ = ["Cell", "DEFAULT_DISTANCES", "KINDS", "PROBES", "PROBE_MEASUREMENT_FIELDS", "ProbeWindows", "REACH_DEFINITION", "REACH_MIN_GAIN", "REGIONS", "cell_for",
            "cell_losses", "copy_probe", "entry_reach", "format_gains", "make_windows", "merge_probe_entries", "probe_cells",
-           "probe_key", "probe_summary", "reach", "run_probes", "shares_ngram"]
+           "probe_key", "probe_summary", "probe_variant_label", "reach", "run_probes", "shares_ngram"]

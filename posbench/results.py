@@ -87,8 +87,8 @@ def variant_label(new: dict[str, Any], reference: dict[str, Any], recorded: dict
     if entry_extension(new) != entry_extension(reference):
         ours.pop("extension_factor"), theirs.pop("extension_factor")
     differs = [name for name in ours if theirs.get(name) is not None and ours[name] != theirs[name]]
-    if "num_sequences" in differs:  # other windows follow from another count: say the count
-        differs.remove("sequences_sha256")
+    if "num_sequences" in differs and "sequences_sha256" in differs:  # other windows follow from another
+        differs.remove("sequences_sha256")  # count: say the count (older entries record no checksum)
     return ",".join(f"windows={ours[name][:12]}" if name == "sequences_sha256" else f"{name}={ours[name]}"
                     for name in differs) or None
 

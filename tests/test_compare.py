@@ -266,3 +266,78 @@ def test_precision_of_older_results(tmp_path: Path) -> None:
     (tmp_path / "broken" / "config.yaml").write_text("trainer: [unclosed\n")  # unreadable: no crash
     runs = {r.path.name: r for r in discover_runs([tmp_path])[0]}
     assert {name: r.precision for name, r in runs.items()} == {"fp32": "fp32", "auto": "unknown", "broken": "unknown"}
+
+
+# ----------------------------------------------------------------- review of issues 21/24
+
+
+def test_variant_label_of_an_entry_without_a_checksum() -> None:
+    """results.json files from before ``sequences_sha256`` was recorded: another count is the
+    variant, without a ValueError for the checksum that is not there."""
+    from posbench.results import variant_label
+
+    old = {"split": "validation", "length": 512, "num_sequences": 8, "bands": {}}
+    new = {"split": "validation", "length": 512, "num_sequences": 64, "sequences_sha256": "abc", "bands": {}}
+    assert variant_label(new, old) == "num_sequences=64"
+    assert variant_label({k: v for k, v in new.items() if k != "sequences_sha256"}, old) == "num_sequences=64"
+
+
+def test_an_added_length_never_changes_the_bands_table(tmp_path: Path) -> None:
+    """``posbench eval eval.lengths=[384]`` adds an entry marked ``added``: bands.md and the
+    paired differences stay those of the training-time evaluation."""
+    from posbench.compare import compare_runs
+
+    for method in ("alibi", "rope"):
+        make_run(tmp_path / "s" / method, method, 0)
+    before = compare_runs(discover_runs([tmp_path / "s"])[0])
+    results = json.loads((tmp_path / "s" / "rope" / "results.json").read_text())
+    worse = per_sequence("rope", 0)[:, :384] + 1.0  # 1 nat worse: seen in 0-256 if it were read
+    shorter = {"split": "validation", "length": 384, "num_sequences": N_SEQ, "sequences_sha256": "same-windows",
+               **curve_summary(worse, C), "added": True}
+    write_results(tmp_path / "s" / "rope", {**results, "eval": [shorter, *results["eval"]]})
+    after = compare_runs(discover_runs([tmp_path / "s"])[0])
+    assert [(r.label, r.intervals) for r in after.rows] == [(r.label, r.intervals) for r in before.rows]
+    assert after.pairs == before.pairs
+
+
+def test_presets_crossed_with_a_model_setting_keep_four_groups(tmp_path: Path) -> None:
+    """``-m model=mini,small model.n_layers=2,4``: the preset alone does not tell the four
+    groups apart, so the labels name the layers too; no group replaces another and the sweep
+    summary lists every job."""
+    from posbench.compare import group_runs
+
+    for flavour, d_model in (("mini", 64), ("small", 128)):
+        for layers in (2, 4):
+            make_run(tmp_path / "s" / f"{flavour}-{layers}", "rope", 0)
+            results = json.loads((tmp_path / "s" / f"{flavour}-{layers}" / "results.json").read_text())
+            results["model"] = {"flavour": flavour, "d_model": d_model, "n_layers": layers}
+            write_results(tmp_path / "s" / f"{flavour}-{layers}", results)
+    runs, problems = discover_runs([tmp_path / "s"])
+    groups = group_runs(runs)
+    assert sorted(groups) == ["rope[model.n_layers=2,model.flavour=mini]", "rope[model.n_layers=2,model.flavour=small]",
+                              "rope[model.n_layers=4,model.flavour=mini]", "rope[model.n_layers=4,model.flavour=small]"]
+    text = sweep_summary(tmp_path / "s", runs, problems)
+    assert "Finished (4)" in text and "| `small-4` | rope | 0 | rope[model.n_layers=4,model.flavour=small] |" in text
+
+
+def test_an_unrecorded_setting_and_a_null_one_are_kept_apart(tmp_path: Path) -> None:
+    """One run lacks an option (older results.json), another records it as null: two groups,
+    labelled ``unknown`` and ``none``; a null setting never reads as ``unknown``."""
+    from posbench.compare import group_runs
+
+    make_run(tmp_path / "s" / "old", "rope", 0)
+    make_run(tmp_path / "s" / "full", "rope", 1, {"window": None})
+    make_run(tmp_path / "s" / "local", "rope", 2, {"window": 64})
+    groups = group_runs(discover_runs([tmp_path / "s"])[0])
+    assert {label: [r.path.name for r in g.runs] for label, g in groups.items()} == {
+        "rope[window=64]": ["local"], "rope[window=none]": ["full"], "rope[window=unknown]": ["old"]}
+
+
+def test_labels_that_print_alike_never_replace_a_group(tmp_path: Path) -> None:
+    from posbench.compare import group_runs
+
+    make_run(tmp_path / "s" / "int", "rope", 0, {"base": 2})
+    make_run(tmp_path / "s" / "text", "rope", 1, {"base": "2"})
+    groups = group_runs(discover_runs([tmp_path / "s"])[0])
+    assert sorted(groups) == ["rope[base=2]", "rope[base=2]#2"]
+    assert sorted(r.path.name for g in groups.values() for r in g.runs) == ["int", "text"]

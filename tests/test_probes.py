@@ -3,6 +3,8 @@ models, untrained models, determinism, held-out text only, and its results.json 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from posbench.probes import (
     make_windows,
     merge_probe_entries,
     probe_cells,
+    probe_summary,
     reach,
     run_probes,
     shares_ngram,
@@ -312,3 +315,62 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     assert "| rope | 1 |" in table and "| rope+window | 1 |" in table and "inside d=8" in table
     rows = (out / "copy.csv").read_text().splitlines()
     assert rows[0].startswith("group,kind,region,distance,gain,low,high") and len(rows) == 1 + 2 * 3
+
+
+# ----------------------------------------------------------------- review of issue 24: item 7
+
+
+def fake_probe_entry(gain: float, windows: str = "w64", num_windows: int = 64, **extra) -> dict:
+    """A copy probe entry of two cells (random spans, d=8 inside, d=300 past) with ``gain``."""
+    cells = [{"kind": "random", "distance": d, "region": region, "p": 0, "t": 0, "length": 320,
+              "loss_repeat": 1.0, "loss_control": 1.0 + gain, "gain": gain, "interval": [gain - 0.1, gain + 0.1],
+              "count": num_windows, "window_gains": [gain] * num_windows} for d, region in ((8, "inside"), (300, "past"))]
+    return {"probe": "copy", "split": "validation", "extension": "none", "seed": 0, "span": 4,
+            "num_windows": num_windows, "distances": [8, 300], "kinds": ["random"], "train_context": 256,
+            "windows_sha256": windows, "reach": {"random": 300}, "cells": cells, **extra}
+
+
+def test_a_probe_measured_otherwise_is_kept_beside_the_runs_entry() -> None:
+    """``posbench eval eval.copy.num_windows=8`` never silently replaces the training-time
+    64-window entry (and its reach): it is stored beside it as a variant; eval.replace=true
+    makes it the run's entry and keeps the old one as ``replaced``."""
+    own = fake_probe_entry(1.0)
+    fewer = fake_probe_entry(0.5, windows="w8", num_windows=8, checkpoint_step=6)
+    merged = merge_probe_entries([own], [fewer])
+    assert merged == [own, {**fewer, "variant": "num_windows=8"}]
+    again = merge_probe_entries(merged, [fake_probe_entry(0.7, windows="w8", num_windows=8)])
+    assert [(e.get("variant"), e["cells"][0]["gain"]) for e in again] == [(None, 1.0), ("num_windows=8", 0.7)]
+    lines: list[str] = []
+    replaced = merge_probe_entries([own], [fewer], replace=True, log=lines.append)
+    assert replaced == [{**own, "variant": "replaced"}, fewer] and "eval.replace=true" in lines[0]
+    # the same measurement again (same windows and settings) takes the run's entry's place
+    assert merge_probe_entries([own], [fake_probe_entry(1.0, checkpoint_step=6)]) == [fake_probe_entry(1.0, checkpoint_step=6)]
+    # another precision than the run's own (recorded) is a variant too
+    assert merge_probe_entries([own], [fake_probe_entry(1.0, precision="fp32")],
+                               recorded={"precision": "bf16"})[1]["variant"] == "precision=fp32"
+    # a variant is no summary scalar of the run
+    assert probe_summary(merged) == probe_summary([own])
+
+
+def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -> None:
+    """A run with a validation and a test entry counts once per line (no t-interval across its
+    own two entries); entries on other windows are their own line, never pooled."""
+    from test_compare import make_run
+
+    from posbench.plot_probes import cell_intervals, copy_markdown, probe_groups
+    from posbench.results import discover_runs, write_results
+
+    for seed, probes in ((0, [fake_probe_entry(1.0), fake_probe_entry(2.0, split="test")]),
+                         (1, [fake_probe_entry(1.2), fake_probe_entry(0.2, windows="w8", num_windows=8,
+                                                                       variant="num_windows=8")]),
+                         (2, [fake_probe_entry(0.1, windows="other", span=8)])):
+        results = make_run(tmp_path / "s" / f"rope-{seed}", "rope", seed)
+        write_results(tmp_path / "s" / f"rope-{seed}", {**results, "probes": probes})
+    groups = probe_groups(discover_runs([tmp_path / "s"])[0])
+    assert {label: [e["cells"][0]["gain"] for e in entries] for label, entries in groups.items()} == {
+        "rope (validation, windows=w64)": [1.0, 1.2], "rope (test)": [2.0],
+        "rope (validation, num_windows=8)": [0.2], "rope (validation, windows=other)": [0.1]}
+    assert cell_intervals(groups["rope (test)"])[("random", "inside", 8)].kind == "bootstrap"
+    table = copy_markdown(groups)
+    assert "| group | runs | k | windows per cell | reach (random) |" in table
+    assert "| rope (validation, windows=other) | 1 | 8 | 64 |" in table and "k - 1 tokens" in table
