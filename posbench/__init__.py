@@ -42,14 +42,11 @@ def create_model(
     """
     from posbench.config import load_group_option
     from posbench.model import ModelConfig, build_model
-    from posbench.methods import method_class
+    from posbench.spec import MethodSpec
 
-    method_class(method)  # unknown names fail here with the list of valid ones
+    spec = MethodSpec.defaults(method, method_options)  # unknown names fail here with the valid ones
     model_cfg = ModelConfig.from_dict({**load_group_option("model", flavour), **model_overrides})
-    options = load_group_option("method", method)
-    options.pop("name", None)
-    options.update(method_options or {})
-    return build_model(model_cfg, method, options)
+    return build_model(model_cfg, spec.name, spec.options)
 
 
 def load_run(run_dir: str, device: str = "cpu"):

@@ -13,11 +13,16 @@
 
 Masks are one definition too (:func:`visible`: causal, optionally a sliding window of W keys):
 dense boolean masks for eager and sdpa, a BlockMask for flex.
+
+:func:`attention_hook` lets a tool see (and compute) every attention call of a forward pass,
+e.g. ``posbench viz`` recording the attention weights, without touching the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +174,21 @@ def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | Non
 
 _IMPLEMENTATIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_backend}
 
+# fn(q, k, v, score, window, value) -> (B, H, T, D): computes attention in place of the backend.
+AttentionHook = Callable[[Tensor, Tensor, Tensor, "ScoreFn | None", "int | None", "ValueTerm | None"], Tensor]
+_HOOKS: list[AttentionHook] = []
+
+
+@contextlib.contextmanager
+def attention_hook(fn: AttentionHook) -> Iterator[None]:
+    """Within the block, :func:`attend` calls ``fn(q, k, v, score, window, value)`` instead of
+    the backend (the innermost hook wins), so ``fn`` sees exactly what the model hands it."""
+    _HOOKS.append(fn)
+    try:
+        yield
+    finally:
+        _HOOKS.remove(fn)
+
 
 def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, backend: str, block_mask=None,
            window: int | None = None, value: ValueTerm | None = None) -> Tensor:
@@ -179,4 +199,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, backend: str,
     recompute it per layer); it must agree with ``window``. ``window``: keys ``window`` or more
     positions back are masked (the window baseline). ``value``: a value-side term (eager only).
     """
+    if _HOOKS:  # an attention_hook is active (e.g. posbench viz recording the weights)
+        return _HOOKS[-1](q, k, v, score, window, value)
     return _IMPLEMENTATIONS[backend](q, k, v, score, block_mask, window, value)

@@ -3,9 +3,9 @@
 For each method (default: all of :func:`posbench.list_methods`) on one model shape, random token
 batches (no data needed) go through
 
-- **training**: exactly the trainer's step (``posbench.train``): bf16 autocast (``precision=auto``
-  on CUDA), forward, float32 cross-entropy, backward, global grad-norm clip, fused AdamW
-  (:func:`posbench.train.make_optimizer`) and the warmup+cosine ``LambdaLR`` step, on the
+- **training**: the trainer's own step, :class:`posbench.optim.TrainStep`: bf16 autocast
+  (``precision=auto`` on CUDA), forward, float32 cross-entropy, backward, global grad-norm clip,
+  fused AdamW (:func:`posbench.optim.make_optimizer`) and the warmup+cosine ``LambdaLR`` step, on the
   ``torch.compile``-d model when compile is on (``auto``: CUDA only). ``warmup_steps`` untimed
   steps (compilation, allocator warm-up, AdamW state creation), then ``steps`` timed steps,
   reported as median, p10/p90, min/max and mean. On CUDA every step is bracketed by
@@ -27,8 +27,9 @@ batches (no data needed) go through
   embeddings past ``max_positions``) as ``"unsupported: ..."``.
 - **peer**: ``transformers.LlamaForCausalLM`` of the same shape (vocab, width, layers, heads,
   SwiGLU width, no biases, RMSNorm eps, tying), SDPA attention, same batch, context, precision,
-  optimizer, schedule, clip and compile setting, timed right after ``rope`` (or last when rope
-  is not benchmarked). ``peer_ratio`` = posbench ``rope`` training tokens/s / peer tokens/s
+  optimizer, schedule, clip and compile setting, timed right after its twin (the registered method
+  declaring ``llama_equivalent``; or last when the twin is not benchmarked). ``peer_ratio`` =
+  posbench twin training tokens/s / peer tokens/s
   (medians). A peer that cannot be built or run is skipped with the reason recorded.
 
 FLOPs and MFU (the PaLM paper's appendix B convention, also nanoGPT's ``estimate_mfu``)::
@@ -44,7 +45,7 @@ FLOPs and MFU (the PaLM paper's appendix B convention, also nanoGPT's ``estimate
   forward + backward, with ``T`` the training context. Causal masking is *not* halved (PaLM's
   convention), so the number is the dense-attention model cost.
 - Position-method FLOPs (rotations, score terms, Shaw's ``q . r``) are not counted: every method
-  gets the same model FLOPs, so its MFU differs from rope's only through speed. The peer's
+  gets the same model FLOPs, so its MFU differs from the twin's only through speed. The peer's
   ``N`` is counted the same way from its own ``nn.Linear`` modules (it comes out identical).
 - ``MFU = FLOPs per token * median tokens/s / peak``, with ``peak_tflops`` the device's dense
   bf16 peak (``auto``: H200 / H100 SXM 989.4, H100 PCIe 756.5, A100 312, L4 121 TFLOP/s; other
@@ -69,7 +70,6 @@ import shlex
 import sys
 import time
 import traceback
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -81,7 +81,18 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+import posbench
+from posbench.attention import resolve_backend
+from posbench.device import autocast, autocast_dtype, resolve_device
 from posbench.errors import PosbenchError, one_line
+from posbench.evaluate import per_position_loss
+from posbench.hardware import cpu_matmul_peak_tflops
+from posbench.io import write_json_atomic, write_text_atomic
+from posbench.methods import PositionMethod, list_methods, method_class
+from posbench.model import ModelConfig, Transformer, build_model
+from posbench.optim import TrainStep
+from posbench.settings import TrainerConfig, from_section
+from posbench.spec import MethodSpec
 
 logger = logging.getLogger("posbench")
 
@@ -145,9 +156,6 @@ def _int(name: str, value: Any, minimum: int = 1) -> int:
 
 def resolve_methods(value: Any) -> list[str]:
     """``all`` / a name / a list of names -> registered method names (order kept, deduplicated)."""
-    from posbench import list_methods
-    from posbench.methods import method_class
-
     if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
         return list_methods()
     names = [value] if isinstance(value, str) else value
@@ -165,9 +173,6 @@ def resolve_methods(value: Any) -> list[str]:
 
 def settings_from_config(cfg: DictConfig | dict[str, Any]) -> tuple[BenchSettings, Any]:
     """Validate the composed bench config -> (settings, ModelConfig); every user error here."""
-    from posbench.model import ModelConfig
-    from posbench.settings import from_section
-
     values = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     values.pop("hydra", None)
     unknown = sorted(set(values) - _KNOWN_KEYS)
@@ -234,25 +239,20 @@ def settings_from_config(cfg: DictConfig | dict[str, Any]) -> tuple[BenchSetting
 
 def method_config(name: str) -> dict[str, Any]:
     """The method's options from ``configs/method/<name>.yaml`` (constructor defaults if none)."""
-    from posbench.config import config_names, load_group_option
+    return MethodSpec.defaults(name).options
 
-    if name not in config_names("method"):
-        return {}
-    options = load_group_option("method", name)
-    options.pop("name", None)
-    return options
+
+def peer_twin() -> str | None:
+    """The registered method whose model is the peer's twin (``llama_equivalent``), if any."""
+    return next((name for name in list_methods() if method_class(name).llama_equivalent), None)
 
 
 def _check_method(name: str, model_cfg: Any, settings: BenchSettings) -> None:
     """Build the method on the meta device: shape problems surface before any timing."""
-    from posbench.methods import ModelDims, build_method
-
     try:
-        with torch.device("meta"):
-            probe = build_method(name, ModelDims(model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers),
-                                 **method_config(name))
-    except ValueError as err:
-        raise PosbenchError(f"method {name} cannot run on this model: {err}; pick another model= or methods=") from None
+        probe = MethodSpec.defaults(name).probe(model_cfg.dims)
+    except PosbenchError as err:
+        raise PosbenchError(f"{err}; pick another model= or methods=") from None
     if probe.max_positions is not None and settings.context > probe.max_positions:
         raise PosbenchError(
             f"method {name} supports positions up to {probe.max_positions} but context={settings.context}; "
@@ -282,8 +282,6 @@ def resolve_peak_tflops(setting: float | str | None, device: torch.device,
     if setting != "auto":
         return float(setting), "peak_tflops (config)"
     if device.type == "cpu":
-        from posbench.hardware import cpu_matmul_peak_tflops
-
         dtype = amp_dtype or torch.float32
         peak = cpu_matmul_peak_tflops(dtype)
         name = str(dtype).replace("torch.", "")
@@ -387,7 +385,7 @@ class Env:
     peak_tflops: float | None
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
+        return autocast(self.device, self.amp_dtype)
 
 
 def random_batches(env: Env, count: int, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
@@ -403,28 +401,17 @@ def random_batches(env: Env, count: int, seed: int = 0) -> list[tuple[Tensor, Te
 
 def time_training(env: Env, model: nn.Module, loss_of: Callable[[Tensor, Tensor], Tensor],
                   flops_per_token: float) -> dict[str, Any]:
-    """The trainer's step on random batches: warm-up, then timed steps -> statistics."""
-    from posbench.train import lr_lambda, make_optimizer
-
-    s, t = env.settings, env.trainer
-    optimizer = make_optimizer(model, t, env.device)
+    """The trainer's step (:class:`posbench.optim.TrainStep`) on random batches: warm-up, then
+    timed steps -> statistics."""
+    s = env.settings
     total_steps = s.warmup_steps + s.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, t.warmup_steps, t.min_lr_ratio))
-    params = [p for p in model.parameters() if p.requires_grad]
+    train_step = TrainStep(model, env.trainer, env.device, total_steps, env.amp_dtype)
     batches = random_batches(env, min(4, total_steps))
     model.train()
 
     def step(i: int) -> Tensor:
-        x, y = batches[i % len(batches)]
-        with env.autocast():
-            loss = loss_of(x, y)  # the model's own training loss, fp32 softmax
-        loss.backward()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        return loss.detach()
+        x, y = batches[i % len(batches)]  # (B, T) each
+        return train_step(lambda _: loss_of(x, y))  # the model's own training loss, fp32 softmax
 
     warm_start = time.perf_counter()
     for i in range(s.warmup_steps):
@@ -462,8 +449,6 @@ def time_training(env: Env, model: nn.Module, loss_of: Callable[[Tensor, Tensor]
 
 def time_eval_length(env: Env, model: nn.Module, length: int) -> dict[str, Any]:
     """posbench's evaluation of one ``[eval_batch_size, length]`` batch, timed per call."""
-    from posbench.evaluate import per_position_loss
-
     s = env.settings
     g = torch.Generator().manual_seed(length)
     seqs = torch.randint(0, s.vocab_size, (s.eval_batch_size, length + 1), generator=g).to(env.device)
@@ -520,9 +505,6 @@ def bench_eval(env: Env, model: nn.Module, max_positions: int | None) -> dict[st
 
 def bench_method(env: Env, name: str) -> dict[str, Any]:
     """Train-step and eval timings of one method; the model is freed when this returns."""
-    from posbench.attention import resolve_backend
-    from posbench.model import build_model
-
     torch.manual_seed(0)
     model = build_model(env.model_cfg, name, method_config(name)).to(env.device)
     backend = resolve_backend(env.model_cfg.attention, model.position, env.device, env.model_cfg.attention_window)
@@ -563,7 +545,7 @@ def bench_method(env: Env, name: str) -> dict[str, Any]:
 
 
 def build_peer(env: Env) -> nn.Module:
-    """``transformers.LlamaForCausalLM`` with posbench's shape (the rope model's twin)."""
+    """``transformers.LlamaForCausalLM`` with posbench's shape (the :func:`peer_twin`'s twin)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m, s = env.model_cfg, env.settings
@@ -636,7 +618,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     """bench.json -> the Markdown table (one row per method) with the peer line and notes."""
     cfg, model = report["config"], report["model"]
     lengths = cfg["eval_lengths"]
-    rope = report["methods"].get("rope", {}).get("train", {}).get("tokens_per_second_median")
+    twin = peer_twin() or "-"
+    twin_tps = report["methods"].get(twin, {}).get("train", {}).get("tokens_per_second_median")
     lines = [
         "# posbench bench",
         "",
@@ -652,7 +635,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     if not report.get("complete", True):
         lines += ["**incomplete: the run is still going or was interrupted**", ""]
-    header = ["method", "attention", "step ms (p10-p90)", "train tok/s", "% of rope", "MFU", "peak mem GiB"]
+    header = ["method", "attention", "step ms (p10-p90)", "train tok/s", f"% of {twin}", "MFU", "peak mem GiB"]
     header += [f"eval tok/s @{n}" for n in lengths]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---", "---"] + ["---:"] * (len(header) - 2)) + "|")
@@ -667,7 +650,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 name, backend,
                 f"{train['step_ms_median']:.2f} ({train['step_ms_p10']:.2f}-{train['step_ms_p90']:.2f})",
                 _fmt_int(tps),
-                f"{100 * tps / rope:.0f}%" if rope else "-",
+                f"{100 * tps / twin_tps:.0f}%" if twin_tps else "-",
                 f"{100 * train['mfu']:.1f}%" if train.get("mfu") is not None else "-",
                 f"{train['peak_memory_gb']:.2f}" if train.get("peak_memory_gb") is not None else "-",
             ]
@@ -688,8 +671,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"peer: transformers {peer['transformers']} LlamaForCausalLM ({peer.get('attention', 'sdpa')}, "
             f"{report['autocast'] or 'fp32'}, {'compiled' if report['compiled'] else 'not compiled'}): "
             f"{pt['step_ms_median']:.2f} ms/step, {_fmt_int(pt['tokens_per_second_median'])} tok/s{mfu}; "
-            + (f"posbench rope / peer tokens/s = {ratio:.2f}" if ratio is not None
-               else "no ratio (rope not benchmarked)")
+            + (f"posbench {twin} / peer tokens/s = {ratio:.2f}" if ratio is not None
+               else f"no ratio ({twin} not benchmarked)")
         )
     flops = report["flops"]
     peak = flops["peak_tflops"]
@@ -738,11 +721,6 @@ def device_name(device: torch.device) -> str:
 
 def run_bench(cfg: DictConfig) -> dict[str, Any]:
     """``posbench bench``: measure every configured method (and the peer); write bench.json/md."""
-    import posbench
-    from posbench.io import write_json_atomic, write_text_atomic
-    from posbench.settings import TrainerConfig
-    from posbench.train import autocast_dtype, resolve_device
-
     settings, model_cfg = settings_from_config(cfg)
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise PosbenchError(f"device={settings.device} but CUDA is not available; use device=cpu (or auto)")
@@ -762,10 +740,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     out = output_dir(settings)
     out.mkdir(parents=True, exist_ok=True)
 
-    from posbench.model import build_model
-
-    with torch.device("meta"):
-        n_matmul = matmul_parameters(build_model(model_cfg, "nope"))
+    with torch.device("meta"):  # the body alone: a method without position information
+        n_matmul = matmul_parameters(Transformer(model_cfg, PositionMethod(model_cfg.dims)))
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -799,10 +775,12 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     logger.info("posbench bench on %s (%s): %s; writing %s", report["device"], device.type,
                 ", ".join(settings.methods), out)
 
+    twin = peer_twin()
+
     def write() -> str:
-        rope = report["methods"].get("rope", {}).get("train", {}).get("tokens_per_second_median")
+        twin_tps = report["methods"].get(twin, {}).get("train", {}).get("tokens_per_second_median")
         peer_tps = ((report["peer"] or {}).get("train") or {}).get("tokens_per_second_median")
-        report["peer_ratio"] = rope / peer_tps if rope and peer_tps else None
+        report["peer_ratio"] = twin_tps / peer_tps if twin_tps and peer_tps else None
         text = render_markdown(report)
         write_json_atomic(out / "bench.json", report)
         write_text_atomic(out / "bench.md", text)
@@ -814,7 +792,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         free_memory(device)
         write()
 
-    # The peer runs right after rope (or last if rope is not benchmarked): the two numbers of
+    # The peer runs right after its twin (or last if it is not benchmarked): the two numbers of
     # the ratio are taken back to back, and an interrupted run still has both.
     failures: list[str] = []
     for name in settings.methods:
@@ -823,13 +801,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         except Exception as err:
             if settings.debug:
                 raise
-            from posbench.attention import resolve_backend
-            from posbench.methods import ModelDims, build_method
-
             logger.error("bench %s failed: %s\n%s", name, one_line(err), traceback.format_exc())
-            with torch.device("meta"):
-                probe = build_method(name, ModelDims(model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers),
-                                     **method_config(name))
+            probe = MethodSpec.defaults(name).probe(model_cfg.dims)
             backend = resolve_backend(model_cfg.attention, probe, device, model_cfg.attention_window)
             report["methods"][name] = {"train": {"error": one_line(err), "attention_backend": backend}, "eval": {}}
             failures.append(f"{name} ({one_line(err)})")
@@ -837,7 +810,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
             torch.compiler.reset()  # no compiled graphs (or recompile counts) carry over
             free_memory(device)
         write()
-        if settings.peer and name == "rope":
+        if settings.peer and name == twin:
             measure_peer()
     if settings.peer and report["peer"] is None:
         measure_peer()

@@ -22,7 +22,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from posbench.io import atomic_path, write_text_atomic
+from posbench.errors import PosbenchError
+from posbench.io import atomic_path, file_sha256, write_text_atomic
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format_version", "step", "model", "optimizer", "scheduler", "config")
@@ -44,8 +45,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
     """Atomically write ``state`` as the checkpoint of ``state['step']``; keep the newest ``keep``."""
-    from posbench.data.tokenizer import file_sha256
-
     path = checkpoint_dir(run_dir) / f"step_{state['step']:08d}.pt"
     with atomic_path(path) as tmp:
         torch.save({"format_version": FORMAT_VERSION, **state}, tmp)
@@ -64,8 +63,6 @@ def checksum_path(path: Path) -> Path:
 def verify_checksum(path: Path) -> None:
     """Raise ValueError when the checkpoint's bytes differ from those it was written with
     (checkpoints from before sidecars have none and are not checked)."""
-    from posbench.data.tokenizer import file_sha256
-
     try:
         expected = checksum_path(path).read_text().split()[0]
     except FileNotFoundError:
@@ -121,8 +118,6 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], run_dir: P
     """Load a checkpoint's weights into ``model``, refusing in one line (a PosbenchError naming
     the missing, unexpected and reshaped parameters) a checkpoint from other model code: the
     method's code changed since the run was trained."""
-    from posbench.errors import PosbenchError
-
     saved, ours = state["model"], model.state_dict()
     missing = sorted(set(ours) - set(saved))
     unexpected = sorted(set(saved) - set(ours))

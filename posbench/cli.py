@@ -59,7 +59,7 @@ def _prepare(cfg: DictConfig) -> Any:
     import time
 
     from posbench.data import prepare_data
-    from posbench.train import data_config
+    from posbench.spec import data_config
 
     start = time.perf_counter()
     prepared = prepare_data(data_config(cfg.data).check_path_is_read(), log=logger.info)

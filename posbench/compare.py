@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from posbench.methods import list_methods
 from posbench.results import RunRecord, headline_entries, plain_entries
 from posbench.settings import RESULT_SETTINGS
 from posbench.stats import Interval, across_runs, paired_difference
@@ -121,9 +122,7 @@ def _encoded(value: Any) -> str:
 
 def method_order(methods: Iterable[str]) -> list[str]:
     """Registry order (``posbench.list_methods()``), unknown names after, alphabetically."""
-    import posbench
-
-    known = posbench.list_methods()
+    known = list_methods()
     present = set(methods)
     return [m for m in known if m in present] + sorted(present - set(known))
 

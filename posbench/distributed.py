@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -66,3 +67,13 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
 def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def same_on_all_ranks(path: Path, info: DistInfo) -> Path:
+    """Rank 0's run directory for every rank: ranks started in different seconds would
+    otherwise resolve Hydra's timestamped directory differently."""
+    if not info.enabled:
+        return path
+    box = [str(path)]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])

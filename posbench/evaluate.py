@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -24,8 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posbench.data.loader import eval_sequences, spread_sequences
 from posbench.errors import PosbenchError
 from posbench.extension import NONE, extended
+from posbench.model import CPU_LOGITS_CHUNK_BYTES
+from posbench.results import SCHEMA_VERSION, headline_entries
+from posbench.stats import moving_average
 
 # Upper bound for one chunk of float32 logits; log-softmax/cross-entropy needs about one more
 # buffer of the same size, so peak extra memory stays well under 1 GB even for 50k vocabularies.
@@ -44,8 +49,6 @@ def _positions_per_chunk(batch: int, length: int, vocab: int, vocab_chunk: int |
         return min(vocab_chunk, length)
     budget = _LOGITS_CHUNK_BYTES
     if device is not None and device.type != "cuda":  # CPU: chunks the heap reuses (see posbench.model)
-        from posbench.model import CPU_LOGITS_CHUNK_BYTES
-
         budget = CPU_LOGITS_CHUNK_BYTES
     fit = budget // max(1, batch * vocab * 4)
     return int(max(1, min(length, fit)))
@@ -253,8 +256,6 @@ def effective_length(loss_by_position: np.ndarray, reference: np.ndarray | float
     left within the evaluated length, a lower bound. Only getting worse counts: a loss below the
     reference is the model using its context.
     """
-    from posbench.stats import moving_average
-
     curve = moving_average(np.asarray(loss_by_position, dtype=np.float64), window)
     if not np.isscalar(reference):
         reference = moving_average(np.asarray(reference, dtype=np.float64), window)
@@ -335,10 +336,9 @@ def evaluate_model(
         log(f"eval.window_stride={window_stride} is above the training context {train_context}; "
             f"using {train_context} (non-overlapping windows)")
         window_stride = train_context
-    from posbench.data.loader import eval_sequences as make_sequences
     entries = []
     for length in lengths:
-        sequences = make_sequences(tokens, length, num_sequences, split=split)
+        sequences = eval_sequences(tokens, length, num_sequences, split=split)
         count = int(sequences.shape[0])
         if count < num_sequences:
             log(
@@ -419,3 +419,53 @@ def _entry(full: np.ndarray, past: np.ndarray | None, plain_inside: np.ndarray, 
         entry["effective_length"]["windowed"] = effective_length(full.mean(axis=0), windowed.mean(axis=0),
                                                                  train_context, eps, smooth)
     return entry
+
+
+# ----------------------------------------------------------------------------- a run's evaluation
+
+
+def evaluate_run(model: nn.Module, prepared: Any, spec: Any, device: torch.device,
+                 amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> dict[str, Any]:
+    """A run's final evaluation (``spec``: its :class:`posbench.spec.RunSpec`) as results.json's
+    top part: schema, method, seed, training context and the eval entries."""
+    e = spec.eval
+    tokens = prepared.tokens(e.split)
+    entries = evaluate_model(model, tokens, e.lengths, e.num_sequences, e.batch_size, spec.trainer.context,
+                             device, split=e.split, log=log, autocast_dtype=amp_dtype,
+                             window_stride=e.window_stride, effective_length_eps=e.effective_length_eps,
+                             extensions=e.extension, extension_factor=e.extension_factor)
+    return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed,
+            "train_context": spec.trainer.context, "eval": entries,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def headline(results: dict[str, Any], band: str = "256-512") -> float:
+    """The plain model's loss in ``band`` (nan when not evaluated)."""
+    for entry in headline_entries(results.get("eval", [])):
+        if band in entry.get("bands", {}):
+            return float(entry["bands"][band])
+    return float("nan")
+
+
+def validation_sets(prepared: Any, model: nn.Module, t: Any,
+                    log: Callable[[str], None]) -> dict[str, Tensor]:
+    """Fixed validation windows, by metrics.jsonl key: ``val_loss`` (``trainer.val_sequences``
+    windows of the training context C) and ``val_loss_<C>_<2C>`` (the C-2C band of
+    ``trainer.val_extrapolation_sequences`` windows of 2C: extrapolation during training).
+
+    Each is a seeded subset spread over the whole validation text (``spread_sequences``): the
+    same windows for every method and seed of a data setting, an estimate of the full set's
+    mean (not the first windows, which read easier). The final evaluation uses its own windows."""
+    valid, context = prepared.valid_tokens(), t.context
+    sets = {"val_loss": spread_sequences(valid, context, t.val_sequences)}
+    key = f"val_loss_{context}_{2 * context}"
+    limit = model.position.max_positions
+    if t.val_extrapolation_sequences and limit is not None and 2 * context > limit:
+        log(f"note: no {key} during training: the method's positions stop at {limit} "
+            f"(raise method.max_positions to {2 * context})")
+    elif t.val_extrapolation_sequences:
+        try:
+            sets[key] = spread_sequences(valid, 2 * context, t.val_extrapolation_sequences)
+        except PosbenchError as err:
+            log(f"note: no {key} during training: {err}")
+    return sets

@@ -2,9 +2,11 @@
 
 An extension changes how a trained model's position method is used at evaluation, never its
 weights. :func:`extended` swaps ``model.position`` for an adjusted copy (an
-:class:`ExtendedPosition` around the trained method) for the duration of a ``with`` block and
-restores it afterwards, so no method module knows about extensions. Every extension declares the
-methods it applies to (``applies_to``; ``None`` = every method).
+:class:`ExtendedPosition` around the trained method, or around a copy of it with new rotary
+frequencies) for the duration of a ``with`` block and restores it afterwards; the trained module
+is never changed. Every extension declares the capabilities it needs (``applies_to``:
+:class:`~posbench.methods.base.Rotary` methods, :class:`~posbench.methods.base.InputTable`
+methods; ``None`` = every method), so a new method gets every extension its capabilities allow.
 
 With training context ``C``, evaluated length ``L`` and factor ``s`` (``eval.extension_factor``,
 default ``L / C``):
@@ -50,13 +52,11 @@ import torch
 from torch import Tensor, nn
 
 from posbench.errors import PosbenchError
-from posbench.methods.base import PositionMethod, ScoreFn, ValueTerm
+from posbench.methods import list_methods, method_class
+from posbench.methods.base import InputTable, PositionMethod, Rotary, ScoreFn, ValueTerm
 
 NONE = "none"
-# Methods whose q/k rotation is driven by an ``inv_freq`` buffer of RoPE's layout
-# (base^(-2i/D), i < D/2). xpos and p_rope join by adding their names here once they have one.
-ROPE_FAMILY: tuple[str, ...] = ("rope",)
-ABSOLUTE: tuple[str, ...] = ("learned", "sinusoidal")
+CAPABILITY_NAMES = {Rotary: "rotary", InputTable: "input-table"}
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ class Extension:
     """One evaluation-time extension rule."""
 
     name: str
-    applies_to: tuple[str, ...] | None
-    """Methods it applies to; None = every method."""
+    applies_to: tuple[type, ...] | None
+    """Capabilities a method needs for it (any one of them); None = every method."""
     summary: str
     """One line for listings and logs."""
     install: Callable[[PositionMethod, Setting], "ExtendedPosition | None"]
@@ -83,18 +83,30 @@ class Extension:
     """Its factor when ``eval.extension_factor`` is null: ``L/C``, ``1`` (dynamic_ntk, whose
     scale already follows the length), or None for rules that take no factor."""
 
-    def applies(self, method: str) -> bool:
-        return self.applies_to is None or method in self.applies_to
+    def applies(self, method: "str | PositionMethod | type[PositionMethod]") -> bool:
+        """Whether it applies to ``method`` (a name, a method or its class)."""
+        cls = method_type(method)
+        return self.applies_to is None or issubclass(cls, self.applies_to)
+
+
+def method_type(method: "str | PositionMethod | type[PositionMethod]") -> type:
+    """The method class of a name, an instance (an extended one: its trained method) or a class."""
+    if isinstance(method, str):
+        return method_class(method)
+    if isinstance(method, ExtendedPosition):
+        return type(method.inner)
+    return method if isinstance(method, type) else type(method)
 
 
 class ExtendedPosition(PositionMethod):
     """A trained position method with evaluation-time adjustments; every hook delegates to it.
 
     Adjustments (each optional):
-      ``inv_freq``: RoPE frequencies (D/2,) that :func:`extended` swaps into the trained method
-          for the evaluation (its rotation code stays the one that was trained).
-      ``position_scale``: absolute methods read their table at ``position / position_scale``
-          (learned tables: at most at row ``trained_positions - 1``, the last trained row).
+      ``inv_freq``: rotary frequencies (R/2,): ``inner`` is replaced by its copy rotating with
+          them (:meth:`Rotary.with_frequencies`; its rotation code stays the trained one).
+      ``position_scale``: input tables are read at ``position / position_scale``
+          (:meth:`InputTable.input_embedding_at`; learned tables: at most at row
+          ``trained_positions - 1``, the last trained row).
       ``qk_scale``: q and k multiplied by it after the rotation (transformers multiplies cos and
           sin by the rope attention factor, which is the same linear map).
       ``log_context``: logits of query position n scaled by ``max(1, log(n + 1) / log(C))``.
@@ -105,8 +117,9 @@ class ExtendedPosition(PositionMethod):
                  qk_scale: float = 1.0, log_context: int | None = None, window: int | None = None,
                  trained_positions: int | None = None) -> None:
         super().__init__(inner.dims)
+        if inv_freq is not None:
+            inner = inner.with_frequencies(inv_freq)  # type: ignore[attr-defined]  # a Rotary copy
         self.inner = inner
-        self.rope_inv_freq = inv_freq
         self.name = inner.name  # type: ignore[misc]  # logs and results keep the trained method's name
         self.position_scale = position_scale
         self.trained_positions = trained_positions
@@ -133,14 +146,7 @@ class ExtendedPosition(PositionMethod):
         if self.position_scale is None:
             return self.inner.input_embedding(positions)
         scaled = positions.double() / self.position_scale  # (T,) fractional positions
-        table = getattr(self.inner, "table", None)
-        if isinstance(table, nn.Embedding):
-            # Positions in (C - 1, C) would blend in row C, which training never reached (it is
-            # still its random init): hold the last trained row instead.
-            if self.trained_positions is not None:
-                scaled = scaled.clamp(max=self.trained_positions - 1)
-            return interpolate_rows(table.weight, scaled)
-        return self.inner.input_embedding(scaled)  # formula-based tables (sinusoidal) take any position
+        return self.inner.input_embedding_at(scaled, self.trained_positions)  # type: ignore[attr-defined]
 
     def query_scale(self, positions: Tensor) -> Tensor:
         """(T,) positions -> (T,) logit multipliers max(1, log(n + 1) / log C)."""
@@ -186,15 +192,7 @@ class ExtendedPosition(PositionMethod):
                 f"log_context={self.log_context}, window={self.window}")
 
 
-def interpolate_rows(weight: Tensor, positions: Tensor) -> Tensor:
-    """Rows of ``weight`` (P, d) read at fractional ``positions`` (T,), linearly interpolated."""
-    low = positions.floor().long().clamp(max=weight.shape[0] - 1)  # (T,)
-    high = (low + 1).clamp(max=weight.shape[0] - 1)
-    frac = (positions - low.double()).to(weight.dtype)[:, None]  # (T, 1)
-    return weight[low] * (1 - frac) + weight[high] * frac  # (T, d)
-
-
-# ----------------------------------------------------------------------------- RoPE rules
+# ----------------------------------------------------------------------------- rotary rules
 
 
 def _from_transformers(method: PositionMethod, rope_type: str, setting: Setting, seq_len: float | None = None,
@@ -213,17 +211,17 @@ def hf_rope_config(method: PositionMethod, rope_type: str, train_context: int, p
     import transformers
     from transformers import LlamaConfig
 
-    head_dim = 2 * method.inv_freq.numel()  # type: ignore[union-attr]
-    rope = {"rope_type": rope_type, **params}
+    head_dim = method.rotary_dim  # type: ignore[attr-defined]  # R rotated channels: R/2 frequencies
+    scaling = {"rope_type": rope_type, **params}
     longest = train_context
     if rope_type in ("yarn", "llama3"):  # their configs name the extended length too
-        rope["original_max_position_embeddings"] = train_context
+        scaling["original_max_position_embeddings"] = train_context
         longest = math.ceil(params["factor"] * train_context)
     shape = dict(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, max_position_embeddings=longest)
     base = float(method.base)  # type: ignore[arg-type]
     if int(transformers.__version__.split(".")[0]) >= 5:  # v5 folds rope_theta into rope_parameters
-        return LlamaConfig(**shape, rope_parameters={**rope, "rope_theta": base})
-    return LlamaConfig(**shape, rope_theta=base, rope_scaling=rope)
+        return LlamaConfig(**shape, rope_parameters={**scaling, "rope_theta": base})
+    return LlamaConfig(**shape, rope_theta=base, rope_scaling=scaling)
 
 
 def _rope_rule(rope_type: str, **params: float) -> Callable[[PositionMethod, Setting], "ExtendedPosition | None"]:
@@ -253,7 +251,7 @@ def _dynamic_ntk(method: PositionMethod, setting: Setting) -> ExtendedPosition |
 
 
 def _interpolate_positions(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
-    if method.name in ROPE_FAMILY:
+    if isinstance(method, Rotary):
         return _rope_rule("linear")(method, setting)
     if setting.factor == 1.0:
         return None
@@ -271,14 +269,14 @@ def _window(method: PositionMethod, setting: Setting) -> ExtendedPosition | None
 EXTENSIONS: dict[str, Extension] = {
     e.name: e
     for e in (
-        Extension("linear", ROPE_FAMILY + ABSOLUTE, "position interpolation: positions scaled by 1/s",
+        Extension("linear", (Rotary, InputTable), "position interpolation: positions scaled by 1/s",
                   _interpolate_positions),
-        Extension("ntk", ROPE_FAMILY, "NTK-aware base change: base * s^(D/(D-2))", _ntk),
-        Extension("dynamic_ntk", ROPE_FAMILY, "transformers' dynamic NTK for the evaluated length",
+        Extension("ntk", (Rotary,), "NTK-aware base change: base * s^(D/(D-2))", _ntk),
+        Extension("dynamic_ntk", (Rotary,), "transformers' dynamic NTK for the evaluated length",
                   _dynamic_ntk, default_factor="1"),
-        Extension("yarn", ROPE_FAMILY, "YaRN: NTK-by-parts + attention temperature 0.1 ln(s) + 1",
+        Extension("yarn", (Rotary,), "YaRN: NTK-by-parts + attention temperature 0.1 ln(s) + 1",
                   _rope_rule("yarn")),
-        Extension("llama3", ROPE_FAMILY, "Llama 3.1 rule (low/high frequency factors 1 / 4)",
+        Extension("llama3", (Rotary,), "Llama 3.1 rule (low/high frequency factors 1 / 4)",
                   _rope_rule("llama3", low_freq_factor=1.0, high_freq_factor=4.0)),
         Extension("log_scaling", None, "logits x max(1, log(n+1)/log C)", _log_scaling, default_factor=None),
         Extension("window", None, "sliding-window mask of width C", _window, default_factor=None),
@@ -291,9 +289,17 @@ def list_extensions() -> list[str]:
     return list(EXTENSIONS)
 
 
-def resolve_extensions(requested: Sequence[str] | str, method: str, log: Callable[[str], object] = print) -> list[str]:
-    """The extensions of ``eval.extension`` to evaluate for ``method``, always ``none`` first (the
-    plain evaluation every extension is compared with).
+def check_names(requested: Sequence[str] | str) -> None:
+    """Refuse an ``eval.extension`` entry that names no extension (before any work)."""
+    for name in [requested] if isinstance(requested, str) else requested:
+        if str(name) not in (NONE, "all", *EXTENSIONS):
+            raise PosbenchError(f"unknown eval.extension {name!r}; choose from none, all, {', '.join(EXTENSIONS)}")
+
+
+def resolve_extensions(requested: Sequence[str] | str, method: "str | PositionMethod | type[PositionMethod]",
+                       log: Callable[[str], object] = print) -> list[str]:
+    """The extensions of ``eval.extension`` to evaluate for ``method`` (a name, a method or its
+    class), always ``none`` first (the plain evaluation every extension is compared with).
 
     ``all`` means every extension that applies. A named extension that does not apply is skipped
     with one line; when only such extensions were asked for, the request is refused.
@@ -313,16 +319,20 @@ def resolve_extensions(requested: Sequence[str] | str, method: str, log: Callabl
         else:
             refused.append(name)
     for name in refused:
-        line = f"extension {name} does not apply to method={method}; it applies to {_applies_text(name)}"
+        line = f"extension {name} does not apply to method={method_type(method).name}; it applies to {applies_text(name)}"
         if len(chosen) == 1:
             raise PosbenchError(line)
         log(f"skipping {line}")
     return list(dict.fromkeys(chosen))
 
 
-def _applies_text(name: str) -> str:
-    methods = EXTENSIONS[name].applies_to
-    return "every method" if methods is None else ", ".join(methods)
+def applies_text(name: str) -> str:
+    """Which methods extension ``name`` applies to, by capability and the registered methods."""
+    needed = EXTENSIONS[name].applies_to
+    if needed is None:
+        return "every method"
+    kinds = " or ".join(CAPABILITY_NAMES.get(c, c.__name__) for c in needed)
+    return f"{kinds} methods ({', '.join(m for m in list_methods() if EXTENSIONS[name].applies(m))})"
 
 
 def extension_factor(name: str, length: int, train_context: int, factor: float | None) -> float | None:
@@ -341,31 +351,26 @@ def extension_factor(name: str, length: int, train_context: int, factor: float |
 @contextlib.contextmanager
 def extended(model: nn.Module, name: str, train_context: int, length: int, factor: float | None = None) -> Iterator[float | None]:
     """Evaluate ``model`` under extension ``name`` inside the block; yields the factor used
-    (None for ``none``). ``model.position`` and its frequencies are restored on exit."""
+    (None for ``none``). ``model.position`` is restored on exit (the trained method itself is
+    never changed)."""
     if name == NONE:
         yield None
         return
     original: PositionMethod = model.position  # type: ignore[assignment]
     ext = EXTENSIONS[name]
-    if not ext.applies(original.name):
-        raise PosbenchError(f"extension {name} does not apply to method={original.name}; it applies to {_applies_text(name)}")
+    if not ext.applies(original):
+        raise PosbenchError(f"extension {name} does not apply to method={original.name}; it applies to {applies_text(name)}")
     used = extension_factor(name, length, train_context, factor)
     wrapped = ext.install(original, Setting(train_context, length, used))
     if wrapped is None:  # the identity at this setting: the plain model, bit for bit
         yield used
         return
-    new_freq = wrapped.rope_inv_freq
-    old_freq = getattr(original, "inv_freq", None)
     try:
-        if new_freq is not None:
-            original.inv_freq = new_freq.to(old_freq.device)  # type: ignore[union-attr]
         model.position = wrapped
         yield used
     finally:
         model.position = original
-        if new_freq is not None:
-            original.inv_freq = old_freq
 
 
-__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "extended", "extension_factor", "interpolate_rows",
-           "list_extensions", "resolve_extensions"]
+__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "applies_text", "extended", "extension_factor",
+           "list_extensions", "method_type", "resolve_extensions"]

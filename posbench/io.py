@@ -8,6 +8,7 @@ at most a stray ``.tmp-*`` file, never a truncated result/checkpoint/cache file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -49,6 +50,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 hex digest of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def check_output_dir(path: Any, key: str) -> Path:

@@ -15,10 +15,13 @@ from __future__ import annotations
 import math
 import netrc
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from tqdm.auto import tqdm
 
 from posbench.errors import PosbenchError, one_line
 from posbench.results import entry_extension, headline_entries
@@ -246,7 +249,7 @@ class WandbLogger(RunLogger):
     def _start(self, init_args: dict) -> None:
         global _online_unreachable
         try:
-            self._run = _wandb_init(mode=self.mode, **init_args)
+            self._run = wandb_init(mode=self.mode, **init_args)
         except Exception as e:
             if self.mode != "online":
                 return self._disable("init", e)
@@ -256,7 +259,7 @@ class WandbLogger(RunLogger):
             self._log(f"warning: W&B online init failed ({one_line(e)}); logging offline")
             self.mode = "offline"
             try:
-                self._run = _wandb_init(mode="offline", **init_args)
+                self._run = wandb_init(mode="offline", **init_args)
             except Exception as e2:
                 return self._disable("init", e2)
         self._guard("init", self._define_metrics)
@@ -375,7 +378,8 @@ class WandbLogger(RunLogger):
         self._guard("summary", lambda run: run.summary.update({k: _scalar(v) for k, v in values.items()}))
 
 
-def _wandb_init(*, mode: str, dir: Path, **kwargs: Any) -> Any:
+def wandb_init(*, mode: str, dir: Path, **kwargs: Any) -> Any:
+    """``wandb.init`` with posbench's settings (timeouts, silent, no console capture)."""
     import wandb
 
     dir.mkdir(parents=True, exist_ok=True)  # wandb warns "git root does not exist" otherwise
@@ -389,6 +393,42 @@ def _wandb_init(*, mode: str, dir: Path, **kwargs: Any) -> Any:
     # reinit="finish_previous": Hydra's basic launcher runs sweep jobs in one process; a run a
     # crashed job left open is closed instead of being returned again ("return_previous").
     return wandb.init(mode=mode, dir=str(dir), reinit="finish_previous", settings=settings, **kwargs)
+
+
+def wandb_run_id(run_dir: Path) -> str | None:
+    """The id of the newest W&B run recorded under ``<run_dir>/wandb`` (offline or online), if any."""
+    found = sorted((Path(run_dir) / "wandb").glob("*run-*-*"), key=lambda p: p.stat().st_mtime)
+    found = [p for p in found if p.is_dir()]
+    return found[-1].name.rsplit("-", 1)[-1] if found else None
+
+
+def upload_figures(run_dir: Path, logger_cfg: Mapping[str, Any], paths: Sequence[Path], log: Log,
+                   prefix: str = "figures") -> bool:
+    """Add figures (their .png files) to a finished run's W&B run as ``<prefix>/<name>``: the run
+    is resumed by its id, offline unless credentials exist.
+
+    Only when the run was logged with ``logger=wandb`` (``logger_cfg``: its ``logger`` config
+    section) and left a run id in its ``wandb/`` folder. A failure is one warning line: the
+    figures on disk are the record.
+    """
+    run_id = wandb_run_id(run_dir)
+    if logger_cfg.get("name") != "wandb" or run_id is None:
+        return False
+    mode = resolve_mode(str(logger_cfg.get("mode") or "auto"), log=log)
+    if mode == "disabled":
+        return False
+    try:
+        import wandb
+
+        run = wandb_init(mode=mode, dir=Path(logger_cfg.get("dir") or run_dir), id=run_id, resume="allow",
+                         project=logger_cfg.get("project") or "posbench", entity=logger_cfg.get("entity"))
+        run.log({f"{prefix}/{p.stem}": wandb.Image(str(p)) for p in paths if p.suffix == ".png"})
+        run.finish()
+    except Exception as err:  # noqa: BLE001 - W&B must never cost the figures
+        log(f"warning: W&B logging of the figures failed ({one_line(err)}); they are in the run directory")
+        return False
+    log(f"logged {sum(p.suffix == '.png' for p in paths)} figures to W&B run {run_id} ({mode})")
+    return True
 
 
 def _headline_entry(entries: list[dict], band: str, length: int) -> dict | None:
@@ -436,4 +476,36 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
+def wandb_group(experiment: str) -> str:
+    """Runs of one sweep share a W&B group (experiment + sweep folder); single runs group by
+    experiment."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return f"{experiment}/{Path(hydra_cfg.sweep.dir).name}"
+    except ValueError:
+        pass
+    return experiment
+
+
+class make_progress:
+    """A tqdm bar (terminal only) showing loss, tokens/s and ETA; silent otherwise."""
+
+    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty() and os.environ.get("CI") is None
+        self.bar = None
+        if self.enabled:
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update_to(self, step: int, loss: float, tokens_per_second: float) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:,.0f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -68,6 +68,11 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def dims(self) -> ModelDims:
+        """The shape a position method is built for."""
+        return ModelDims(d_model=self.d_model, n_heads=self.n_heads, n_layers=self.n_layers)
+
+    @property
     def hidden_size(self) -> int:
         if self.mlp_hidden is not None:
             return self.mlp_hidden
@@ -261,7 +266,7 @@ def lm_loss(hidden: Tensor, head: nn.Linear, targets: Tensor) -> Tensor:
 
 def build_model(cfg: ModelConfig, method: str, method_options: dict[str, Any] | None = None) -> Transformer:
     """Build a model of shape ``cfg`` with position method ``method`` and its options."""
-    dims = ModelDims(d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers)
+    dims = cfg.dims
     # Same seed, same body: every method consumes exactly one draw of the global RNG here and
     # builds its own parameters from a generator seeded by it, so the token embedding, blocks
     # and LM head that follow are bitwise identical across methods (issue 8).

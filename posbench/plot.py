@@ -52,7 +52,7 @@ import math
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -67,8 +67,12 @@ from posbench.compare import (
     summary_csv,
     summary_markdown,
 )
-from posbench.errors import PosbenchError
-from posbench.io import atomic_path, write_text_atomic
+from posbench.errors import PosbenchError, one_line
+from posbench.figures import FORMATS, check_formats, line_styles, new_figure, no_data, save
+from posbench.io import write_text_atomic
+from posbench.plot_extension import plot_extensions
+from posbench.plot_probes import plot_probes
+from posbench.rundir import RunDir
 from posbench.stats import moving_average, pointwise_t_band
 from posbench.results import (
     RESULTS_FILE,
@@ -80,69 +84,11 @@ from posbench.results import (
     read_status,
 )
 
-FORMATS = ("png", "pdf", "svg")
 TRAIN_EMA = 0.8
 HEADLINE_SPLIT = "validation"
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _check_formats(formats: Iterable[str]) -> list[str]:
-    formats = [str(f).lower().lstrip(".") for f in ([formats] if isinstance(formats, str) else formats)]
-    bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats:
-        raise PosbenchError(f"unsupported figure format(s) {bad or formats}; choose from {', '.join(FORMATS)}")
-    return list(dict.fromkeys(formats))
-
-
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
-
-
-def _palette() -> list[Any]:
-    """20 qualitative colours: tab20's ten strong ones first, then their light partners."""
-    from matplotlib import colormaps
-
-    tab20 = colormaps["tab20"]
-    return [tab20(i) for i in range(0, 20, 2)] + [tab20(i) for i in range(1, 20, 2)]
-
-
-def line_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``{label: {"color", "marker"}}`` for the curves of one figure, every label distinct.
-
-    A method keeps its registry index as its colour in every figure; other labels (variants,
-    ``rope[steps=60]``) take the first colour no label of the figure uses. 20 colours in all;
-    from 11 labels on every curve also gets a marker (tab20's light partners resemble their
-    strong colours), chosen so that no two labels share both colour and marker.
-    """
-    import posbench
-
-    known, palette = posbench.list_methods(), _palette()
-    labels = list(dict.fromkeys(labels))
-    index: dict[str, int] = {}
-    for label in labels:
-        if label in known and known.index(label) < len(palette) and known.index(label) not in index.values():
-            index[label] = known.index(label)
-    for n, label in enumerate(labels):
-        if label not in index:
-            free = [i for i in range(len(palette)) if i not in index.values()]
-            index[label] = free[0] if free else n % len(palette)
-    styles, used = {}, set()
-    for n, label in enumerate(labels):
-        marker = None
-        if len(labels) > 10:
-            m = n % len(MARKERS)
-            while (index[label], m) in used and len(used) < len(palette) * len(MARKERS):
-                m = (m + 1) % len(MARKERS)
-            used.add((index[label], m))
-            marker = MARKERS[m]
-        styles[label] = {"color": palette[index[label]], "marker": marker}
-    return styles
-
-
-def _colour(label: str) -> Any:
-    """A label's colour when it is drawn alone (one method's figure, the viz overview)."""
-    return line_styles([label])[label]["color"]
 
 
 def _legend_outside(ax, fontsize: float = 8, **kwargs: Any):
@@ -164,26 +110,6 @@ def _seeds_note(counts: Sequence[int]) -> str:
     return "mean over seeds where a curve has several (band: 95% t-interval), else one run"
 
 
-def _new_figure(width: float = 8.0, height: float = 5.0):
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), layout="constrained")
-
-
-def _save(fig, out_dir: Path, stem: str, formats: Sequence[str]) -> list[Path]:
-    written = []
-    for fmt in formats:
-        path = out_dir / f"{stem}.{fmt}"
-        with atomic_path(path) as tmp:  # tmp has no suffix, hence the explicit format
-            fig.savefig(tmp, format=fmt, dpi=150)
-        written.append(path)
-    return written
-
-
-# Public names of the figure helpers, for the modules that draw beside plot_runs (plot_probes).
-new_figure, save_figure = _new_figure, _save
-
-
 def _ema(values: np.ndarray, weight: float = TRAIN_EMA) -> np.ndarray:
     """Bias-corrected exponential moving average (as TensorBoard's smoothing).
 
@@ -197,12 +123,6 @@ def _ema(values: np.ndarray, weight: float = TRAIN_EMA) -> np.ndarray:
         norm = weight * norm + (1 - weight)
         out[i] = acc / norm
     return out
-
-
-def _no_data(fig, ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
-    ax.set_xticks([])
-    ax.set_yticks([])
 
 
 # --------------------------------------------------------------------------- data selection
@@ -221,7 +141,7 @@ def _common_context(runs: Sequence[RunRecord]) -> int:
 
 def train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], title: str):
     """``series``: (group label, run name, metrics records) per run."""
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     seeds_per_method = Counter(method for method, _, _ in series)
     styles = line_styles([method for method, _, _ in series])
@@ -250,7 +170,7 @@ def train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], t
             ax.plot(vx, vy, "o", color=colour, markersize=3, alpha=0.8)
             values_all.extend(vy[np.isfinite(vy)])
     if not values_all:
-        _no_data(fig, ax, "no training metrics found (metrics.jsonl)")
+        no_data(fig, ax, "no training metrics found (metrics.jsonl)")
         ax.set_title(title)
         return fig
     lo, top = float(np.min(values_all)), float(np.max(values_all))
@@ -293,7 +213,7 @@ def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int]
                      clip: bool = True):
     """``curves``: group label -> per-seed curves of ``length`` positions; ``windowed`` (same
     keys) adds the like-for-like curves, dashed, past the training context."""
-    fig = _new_figure(9.0, 5.0)
+    fig = new_figure(9.0, 5.0)
     ax = fig.add_subplot()
     window = max(1, length // 64)
     x = np.arange(length)
@@ -340,7 +260,7 @@ def training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]],
     """``series``: group label -> per-seed metrics records; plots ``key`` (``val_loss_<C>_<2C>``)
     against training tokens, mean over seeds at the token counts all of them logged, with a 95 %
     t-interval band. Seed 003's figure: the extrapolation band during training."""
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     drawn, counts = False, []
     styles = line_styles(list(series))
@@ -359,7 +279,7 @@ def training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]],
                 markersize=3)
         drawn, counts = True, counts + [len(arrays)]
     if not drawn:
-        _no_data(fig, ax, f"no {key} in metrics.jsonl")
+        no_data(fig, ax, f"no {key} in metrics.jsonl")
     else:
         ax.set_xlabel("training tokens")
         ax.set_ylabel("loss (nats)")
@@ -395,7 +315,7 @@ def band_figure(rows: Sequence[Row], inner: str, headline: str, title: str):
     """Grouped bars of the ``inner`` and ``headline`` bands per row, 95 % error bars. The y-axis
     starts near the lowest bar when starting at 0 would squash the differences (the title says
     where it starts)."""
-    fig = _new_figure(max(7.0, 1.1 * len(rows) + 2), 4.5)
+    fig = new_figure(max(7.0, 1.1 * len(rows) + 2), 4.5)
     ax = fig.add_subplot()
     width = 0.38
     colours = line_styles([row.label for row in rows])
@@ -482,19 +402,19 @@ def _position_figures(groups: dict[str, list[RunRecord]], out_dir: Path, formats
             stem = "loss_by_position" + suffix + ("" if length == headline_length else f"_{length}")
             fig = position_figure(curves, contexts, length, f"{title_prefix}Loss by position ({split}, length {length})",
                                    windowed=windowed)
-            written += _save(fig, out_dir, stem, formats)
+            written += save(fig, out_dir, stem, formats)
         longest = lengths[-1]
         cost, contexts = _curves(groups, split, longest, lambda e: (e.get("cost") or {}).get("loss_by_position"))
         if cost:
             fig = position_figure(cost, contexts, longest, f"{title_prefix}Extrapolation cost ({split}, length "
                                    f"{longest}): full context minus windows of the training context",
                                    ylabel="cost (nats; > 0: the long context hurts)", clip=False)
-            written += _save(fig, out_dir, "cost_by_position" + suffix, formats)
+            written += save(fig, out_dir, "cost_by_position" + suffix, formats)
         cumulative, contexts = _curves(groups, split, longest, lambda e: e.get("cumulative_perplexity"))
         if cumulative:
             fig = position_figure(cumulative, contexts, longest, f"{title_prefix}Cumulative perplexity P(l) of "
                                    f"positions 0..l ({split}, length {longest})", ylabel="perplexity")
-            written += _save(fig, out_dir, "cumulative_perplexity" + suffix, formats)
+            written += save(fig, out_dir, "cumulative_perplexity" + suffix, formats)
     return written
 
 
@@ -523,7 +443,7 @@ def plot_runs(
     Raises:
         PosbenchError: no valid run at all, or an unsupported format.
     """
-    formats = _check_formats(formats)
+    formats = check_formats(formats)
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     patterns = [str(p) for p in patterns]
@@ -545,7 +465,6 @@ def plot_runs(
         runs = [r.variant(variant) for r in runs]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from posbench.plot_extension import plot_extensions
 
     extension_files = plot_extensions(runs, out, formats, (splits(runs) or [HEADLINE_SPLIT])[0], log)
     probe_runs = runs  # with their extension entries: a probe entry per extension
@@ -562,23 +481,21 @@ def plot_runs(
 
     files: list[Path] = []
     series = [(label, r.name, r.metrics) for label, rs in groups.items() for r in rs]
-    files += _save(train_loss_figure(series, "Training loss"), out, "train_loss", formats)
+    files += save(train_loss_figure(series, "Training loss"), out, "train_loss", formats)
     key = f"val_loss_{context}_{2 * context}"
     if any(key in record for rs in groups.values() for r in rs for record in r.metrics):
         figure = training_extrapolation_figure({label: [r.metrics for r in rs] for label, rs in groups.items()}, key,
                                                 f"Loss on positions {headline} during training ({key}, "
                                                 f"{validation_subset(runs, key)})")
-        files += _save(figure, out, key, formats)
+        files += save(figure, out, key, formats)
     files += _position_figures(groups, out, formats)
     title = f"Loss in and past the training context ({split})"
-    files += _save(band_figure(comparison.rows, inner, headline, title), out, f"band_{context}_{2 * context}", formats)
+    files += save(band_figure(comparison.rows, inner, headline, title), out, f"band_{context}_{2 * context}", formats)
     write_text_atomic(out / "bands.md", _bands_markdown(comparison, problems))
     write_text_atomic(out / "bands.csv", summary_csv(comparison.metrics, comparison.rows, comparison.groups))
     write_text_atomic(out / "paired.md", "# Paired differences between methods\n\n" + paired_markdown(comparison.pairs))
     write_text_atomic(out / "paired.csv", paired_csv(comparison.pairs))
     files += [out / "bands.md", out / "bands.csv", out / "paired.md", out / "paired.csv"] + extension_files
-    from posbench.plot_probes import plot_probes
-
     files += plot_probes(probe_runs, out, formats, log)  # copy_gain_*, copy.md/csv when runs have probes
     log(f"wrote {len(files)} files for {len(runs)} runs ({len(groups)} groups) to {out}")
     return {
@@ -596,11 +513,11 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
 
     Works on a run still in progress (training loss only). Returns the written paths.
     """
-    formats = _check_formats(formats)
+    formats = check_formats(formats)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PosbenchError(f"run directory {run_dir} does not exist")
-    out = run_dir / "figures"
+    out = RunDir(run_dir).figures_dir
     try:
         run: RunRecord | None = RunRecord(path=run_dir, results=read_results(run_dir),
                                           status=read_status(run_dir)).plain()
@@ -610,7 +527,7 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
     method = run.method if run else str(status.get("method") or run_dir.name)
     name = run.name if run else run_dir.name
     metrics = run.metrics if run else read_metrics(run_dir)
-    written = _save(train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
+    written = save(train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
     if run is not None:
         written += _position_figures({method: [run]}, out, formats, title_prefix=f"{name}: ")
     return written
@@ -618,3 +535,13 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
 
 __all__ = ["FORMATS", "TRAIN_EMA", "band_figure", "line_styles", "plot_runs", "plot_single_run", "position_figure",
            "train_loss_figure", "training_extrapolation_figure"]
+
+
+def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:
+    """:func:`plot_single_run`, never raising: figures must never cost a finished run its results."""
+    try:
+        written = plot_single_run(run_dir)
+        return [Path(p) for p in (written or [])]
+    except Exception as err:  # figures must never cost a finished run its results
+        log(f"warning: could not draw the run's figures: {one_line(err)}")
+        return []

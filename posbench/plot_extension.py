@@ -27,7 +27,7 @@ import numpy as np
 from posbench.extension import NONE, list_extensions
 from posbench.io import write_text_atomic
 from posbench.compare import band_key as _band_key, group_runs
-from posbench.plot import _new_figure, _save
+from posbench.figures import new_figure, save
 from posbench.stats import moving_average as _moving_average
 from posbench.results import RunRecord, entry_extension
 
@@ -132,7 +132,7 @@ def _heatmap(bands: list[str], rows: list[dict[str, Any]], split: str):
     methods = list(dict.fromkeys(r["method"] for r in rows))
     per_method = {m: [r for r in rows if r["method"] == m] for m in methods}
     heights = [max(1.2, 0.45 * len(per_method[m]) + 0.8) for m in methods]
-    fig = _new_figure(1.6 * len(bands) + 3.5, sum(heights) + 0.8)
+    fig = new_figure(1.6 * len(bands) + 3.5, sum(heights) + 0.8)
     axes = fig.subplots(len(methods), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
     deltas = [row["loss"][b]["mean"] - _plain(rows, row["method"], b) for row in rows for b in bands
               if b in row["loss"] and _plain(rows, row["method"], b) is not None]
@@ -164,7 +164,7 @@ def _curves(run_rows: Sequence[RunRecord], method: str, split: str):
     entries = [e for r in run_rows for e in r.results["eval"] if e["split"] == split]
     length = max(e["length"] for e in entries)
     context = run_rows[0].train_context
-    fig = _new_figure(9.0, 7.5)
+    fig = new_figure(9.0, 7.5)
     ax, diff_ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     window = max(1, length // 64)
     x = np.arange(length)
@@ -208,10 +208,10 @@ def plot_extensions(runs: Sequence[RunRecord], out: Path, formats: Sequence[str]
     if not any(entry_extension(e) != NONE for r in runs for e in r.results["eval"]):
         return []
     bands, rows = extension_matrix(runs, split)
-    files = _save(_heatmap(bands, rows, split), out, "extension_matrix", formats)
+    files = save(_heatmap(bands, rows, split), out, "extension_matrix", formats)
     counts = {m: sum(r["method"] == m for r in rows) for m in dict.fromkeys(r["method"] for r in rows)}
     shown = max(counts, key=lambda m: counts[m])  # first of the most extended (registry order)
-    files += _save(_curves(group_runs(runs)[shown].runs, shown, split), out, "extension_curves", formats)
+    files += save(_curves(group_runs(runs)[shown].runs, shown, split), out, "extension_curves", formats)
     write_text_atomic(out / "extensions.md", _markdown(bands, rows, split))
     write_text_atomic(out / "extensions.csv", _csv(bands, rows))
     log(f"extension matrix: {len(rows)} (method, extension) rows in {out / 'extensions.md'}")

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from posbench.compare import group_runs
+from posbench.figures import new_figure, save
 from posbench.io import write_text_atomic
 from posbench.probes import REACH_DEFINITION, entry_reach
 from posbench.results import RunRecord
@@ -166,8 +167,6 @@ def copy_csv(groups: dict[str, list[dict[str, Any]]]) -> str:
 def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
     from matplotlib import colormaps
 
-    from posbench.plot import new_figure
-
     # One colour per line of this figure (method variants and extensions share no colour).
     palette = colormaps["tab10" if len(groups) <= 10 else "tab20"]
     colours = {label: palette(i % palette.N) for i, label in enumerate(_sorted_labels(groups))}
@@ -208,8 +207,6 @@ def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
 def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str],
                 log: Callable[[str], Any] = print) -> list[Path]:
     """Write the copy probe's figures and tables into ``out_dir``; nothing when no run has one."""
-    from posbench.plot import save_figure
-
     groups = probe_groups(runs)
     if not groups:
         return []
@@ -220,7 +217,7 @@ def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str]
     files: list[Path] = []
     kinds = list(dict.fromkeys(k for es in groups.values() for e in es for k in e["kinds"]))
     for kind in kinds:
-        files += save_figure(_gain_figure(groups, kind), out_dir, f"copy_gain_{kind}", formats)
+        files += save(_gain_figure(groups, kind), out_dir, f"copy_gain_{kind}", formats)
     write_text_atomic(out_dir / "copy.md", copy_markdown(groups))
     write_text_atomic(out_dir / "copy.csv", copy_csv(groups))
     return files + [out_dir / "copy.md", out_dir / "copy.csv"]

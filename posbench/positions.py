@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from posbench.errors import PosbenchError
+from posbench.methods import method_class
 
 # Odd 64-bit constants (splitmix64's) spread (seed, step, rank, micro) over the seed space.
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)
@@ -39,8 +40,6 @@ def method_label(method: str, randomize_max: int | None) -> str:
 
 def randomize_max_from_config(cfg: Any, method: str, context: int, max_positions: int | None) -> int | None:
     """Validated ``positions.randomize_max`` of a run config (None when the option is off)."""
-    from posbench.methods import method_class
-
     section = cfg.get("positions") if cfg is not None else None
     value = None if section is None else section.get("randomize_max")
     if value is None:

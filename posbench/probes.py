@@ -39,10 +39,12 @@ import torch
 from torch import nn
 
 from posbench.errors import PosbenchError
+from posbench.evaluate import score_rows
+from posbench.extension import NONE, extended
+from posbench.settings import KINDS, PROBES  # noqa: F401  (names owned by the settings)
+from posbench.stats import bootstrap_interval
 
-KINDS = ("random", "text")
 REGIONS = ("inside", "past")
-PROBES = ("copy",)
 DEFAULT_DISTANCES = (32, 64, 128, 192, 256, 320, 384, 512, 768)
 # Below this gain (nats) at the reference cell the model barely copies even inside C: reach 0. A model that
 # copies random spans gains nats (their control loss is ln V or more); cpu_quick models gain ~0.1.
@@ -181,8 +183,6 @@ def make_windows(tokens: np.ndarray, num_windows: int, max_length: int, span: in
 def cell_losses(model: nn.Module, windows: torch.Tensor, cell: Cell, batch_size: int, device: torch.device,
                 autocast_dtype: torch.dtype | None) -> np.ndarray:
     """Per-window mean loss ``(N,)`` of targets ``t + 1 .. t + k - 1`` of ``windows`` ``(N, L)``."""
-    from posbench.evaluate import score_rows
-
     inputs = windows[:, : cell.length - 1]  # (N, t + k - 1): the last k - 1 inputs are t .. t + k - 2
     targets = windows[:, cell.t + 1 : cell.length]  # (N, k - 1)
     return score_rows(model, inputs, targets, batch_size, device, autocast_dtype, None).mean(dim=1).numpy()
@@ -241,9 +241,6 @@ def copy_probe(
     ``interval`` over windows, ``count`` and the per-window ``window_gains`` (for pairing).
     Cells longer than the model's learned positions are left out (logged).
     """
-    from posbench.extension import NONE, extended
-    from posbench.stats import bootstrap_interval
-
     if split == "train":
         raise PosbenchError("the copy probe reads held-out text only; use eval.copy.split=validation or test")
     unknown = [k for k in kinds if k not in KINDS]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from posbench import __version__
 from posbench.io import write_json_atomic
 
 SCHEMA_VERSION = 1
@@ -145,11 +146,9 @@ def _now() -> str:
 
 def versions() -> dict[str, str]:
     """Software and device the results were produced with."""
-    import torch
+    import torch  # here: reading results needs no torch
 
-    import posbench
-
-    return {"posbench": posbench.__version__, "torch": torch.__version__, "python": platform.python_version(),
+    return {"posbench": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.version.cuda or "",
             "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
 

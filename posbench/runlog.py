@@ -22,7 +22,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from posbench.errors import PosbenchError
-from posbench.io import check_output_dir
+from posbench.io import check_output_dir, write_text_atomic
 
 HYDRA_SUBDIR = ".hydra"  # where Hydra itself would write its record
 
@@ -113,8 +113,6 @@ class HydraRecord:
     def write(self, cfg: Any, is_main: bool = True) -> None:
         """This process holds the run: write ``.hydra/`` (main process) and open the log file."""
         from omegaconf import OmegaConf
-
-        from posbench.io import write_text_atomic
 
         if is_main:
             folder = self.output_dir / HYDRA_SUBDIR

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
 from posbench.checkpoint import list_checkpoints, load_latest_checkpoint, load_model_weights
+from posbench.data import DataConfig, PreparedData, cache_dir_of, prepare_data, tokenize_with
+from posbench.device import autocast_dtype, resolve_device
 from posbench.errors import PosbenchError
-from posbench.io import write_json_atomic
+from posbench.evaluate import evaluate_model
+from posbench.extension import check_names, resolve_extensions
 from posbench.model import ModelConfig, Transformer, build_model
+from posbench.plot import write_run_figures
+from posbench.probes import merge_probe_entries, run_probes
+from posbench.results import merge_eval_entries, read_results_or_quarantine, write_results
+from posbench.rundir import RunDir
+from posbench.settings import EvalConfig, from_section
+from posbench.spec import data_config
+from posbench.train import finish_run
 
 logger = logging.getLogger("posbench")
-RESULTS_LOCK = ".results.json.lock"  # held while results.json is read, merged and rewritten
 
 
 @dataclass
@@ -49,8 +56,6 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", log: Calla
     model = build_model(ModelConfig.from_dict(state["model_config"]), state["method"], state["method_options"])
     load_model_weights(model, state, path)
     model.to(device).eval()
-    from posbench.results import read_results_or_quarantine
-
     results = read_results_or_quarantine(path, log)  # a damaged one is set aside and recomputed
     return Run(path, model, OmegaConf.create(state["config"]), results, state["step"], state.get("data_dir"))
 
@@ -66,9 +71,6 @@ def run_data(run: Run, log: Callable[[str], None] = logger.info):
     Anything else is refused: evaluating with another tokenizer would give numbers that are not
     comparable with the run's own.
     """
-    from posbench.data import PreparedData, cache_dir_of, prepare_data
-    from posbench.train import data_config
-
     recorded = (run.results or {}).get("data") or {}
     recorded_dir = recorded.get("dir") or run.data_dir
     recorded_sha = ((recorded.get("meta") or {}).get("tokenizer") or {}).get("sha256")
@@ -133,20 +135,13 @@ def run_eval_section(cfg: DictConfig, run: Run) -> tuple[dict[str, Any], bool]:
 
 def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """``posbench eval``: (re)evaluate a finished run on its own data or on other text."""
-    from posbench.data import DataConfig, tokenize_with
-    from posbench.evaluate import evaluate_model
-    from posbench.extension import resolve_extensions
-    from posbench.probes import merge_probe_entries
-    from posbench.results import merge_eval_entries, write_results
-    from posbench.settings import EvalConfig, from_section
-    from posbench.train import autocast_dtype, resolve_device, write_run_figures
-
     if not cfg.get("run"):
         raise PosbenchError("posbench eval needs run=<run directory>")
     device = resolve_device(str(cfg.get("device", "auto")))
     run = load_run(cfg.run, device=device, log=log)
     section, replace = run_eval_section(cfg, run)
     evaluation = from_section(EvalConfig, "eval", section)
+    check_names(evaluation.extension)
     train_context = int(run.config.trainer.context)
     limit = run.model.position.max_positions
     if limit is not None and max(evaluation.lengths) > limit:
@@ -162,8 +157,6 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         # Stopped after its final checkpoint (during its final evaluation), or its results.json
         # was damaged: its final evaluation, at these lengths, finishes it (refused while steps
         # remain to train).
-        from posbench.train import finish_run
-
         log(f"{run.path} has no results.json; running its final evaluation from its last checkpoint")
         return finish_run(run.path, run.config, log, device=str(device), evaluation=OmegaConf.create(section))
     source = "run"
@@ -173,7 +166,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
                            cache_dir=str(run.config.data.cache_dir))
         prepared = tokenize_with(prepared, other.validate(), log=log)
         source = str(other_path)
-    extensions = resolve_extensions(evaluation.extension, run.model.method_name, log=log)
+    extensions = resolve_extensions(evaluation.extension, run.model.position, log=log)
     precision = eval_precision(cfg, run)
     entries = evaluate_model(
         run.model, prepared.tokens(evaluation.split), evaluation.lengths, evaluation.num_sequences,
@@ -190,19 +183,16 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         entry["precision"] = precision
     if other_path:
         # Other text never changes the run's own results.json; it gets a file of its own.
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(other_path).name) or "data"
-        out = run.path / f"eval_{slug}.json"
         written = {"method": run.model.method_name, "data": source, "eval": entries}
         if probes:
             written["probes"] = probes
-        write_json_atomic(out, written)
+        out = RunDir(run.path).write_other_eval(Path(other_path).name, written)
         log(f"wrote {out}")
         return {**written, "path": str(out)}
     # Two evals of one run at once: each re-reads results.json under the run's results lock and
     # merges its entries into what is there now, so neither loses the other's lengths.
-    with FileLock(str(run.path / RESULTS_LOCK)):
-        from posbench.results import read_results_or_quarantine
-
+    rundir = RunDir(run.path)
+    with rundir.results_lock():
         results = read_results_or_quarantine(run.path, log)
         if results is None:
             raise PosbenchError(f"{run.path} has no usable results.json; rerun posbench eval run={run.path}")
@@ -219,17 +209,14 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
             results["probes"] = merge_probe_entries(results.get("probes", []), probes)
         write_results(run.path, results)
         write_run_figures(run.path, log)
-    log(f"updated {run.path / 'results.json'}")
+    log(f"updated {rundir.results_path}")
     return results
 
 
 def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.device,
                      amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """``posbench eval``'s probes (eval.probes) on ``run``'s model, under its eval.extension."""
-    from posbench.extension import resolve_extensions
-    from posbench.probes import run_probes
-
     if not evaluation.probes:
         return []
-    evaluation.extension = resolve_extensions(evaluation.extension, run.model.method_name, log=lambda _: None)
+    evaluation.extension = resolve_extensions(evaluation.extension, run.model.position, log=lambda _: None)
     return run_probes(run.model, prepared, evaluation, int(run.config.trainer.context), device, amp_dtype, log)

@@ -78,6 +78,10 @@ def _positive(section: str, **values: Any) -> None:
             raise PosbenchError(f"{section}.{name} must be positive, got {value}")
 
 
+# The zero-shot probes of eval.probes and the copy probe's span kinds (posbench/probes.py runs them).
+PROBES = ("copy",)
+KINDS = ("random", "text")
+
 # Trainer settings that change what a run computes (the step count may grow on resume): a resume
 # must keep them, and runs that differ in them are never pooled as seeds.
 RESULT_SETTINGS = ("context", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
@@ -216,18 +220,11 @@ class EvalConfig:
                   window_stride=self.window_stride, effective_length_eps=self.effective_length_eps)
         if self.extension_factor is not None and not self.extension_factor >= 1:
             raise PosbenchError(f"eval.extension_factor must be >= 1 (or null for L / C), got {self.extension_factor}")
-        from posbench.extension import NONE, list_extensions
-
-        known = [NONE, "all", *list_extensions()]
-        for name in self.extension:
-            if name not in known:
-                raise PosbenchError(f"unknown eval.extension {name!r}; choose from {', '.join(known)}")
+        # Extension names are checked by posbench.extension.check_names (it owns them).
         self.validate_probes()
 
     def validate_probes(self) -> None:
         """Check eval.probes and turn eval.copy into a :class:`CopyConfig`."""
-        from posbench.probes import PROBES
-
         for name in self.probes:
             if name not in PROBES:
                 raise PosbenchError(f"unknown eval.probes entry {name!r}; choose from {', '.join(PROBES)}")
@@ -286,8 +283,6 @@ class CopyConfig:
                                      for d in self.distances):
             raise PosbenchError(f"eval.copy.distances must be integers >= eval.copy.span={self.span}, "
                                 f"got {self.distances}")
-        from posbench.probes import KINDS
-
         if not self.kinds or any(k not in KINDS for k in self.kinds):
             raise PosbenchError(f"eval.copy.kinds must be a non-empty list of {', '.join(KINDS)}, got {self.kinds}")
         if self.split not in ("validation", "test"):

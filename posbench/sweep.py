@@ -30,6 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from posbench.compare import compare_runs, grouping_notes, paired_markdown, summary_markdown
+from posbench.config import config_names
 from posbench.io import write_text_atomic
 from posbench.results import RunRecord, discover_runs, finished_runs, headline_entries
 
@@ -58,8 +59,6 @@ def empty_globs(overrides: Sequence[str]) -> list[str]:
     """The ``group=glob(...)`` overrides that select no option of a posbench config group."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Glob
-
-    from posbench.config import config_names
 
     parser = OverridesParser.create()
     empty = []
@@ -148,7 +147,7 @@ class ComparePlotsCallback(Callback):
             log.warning("no finished runs in %s; comparison plots skipped", sweep_dir)
             return
         try:
-            from posbench.plot import plot_runs
+            from posbench.plot import plot_runs  # here: a broken plot import must not fail the sweep
 
             out_dir = sweep_dir / self.out_subdir
             plot_runs([str(sweep_dir)], out_dir=out_dir, formats=self.formats, log=log.debug)
@@ -157,7 +156,7 @@ class ComparePlotsCallback(Callback):
             log.warning("comparison plots failed (the runs themselves are intact): %s", err)
         if self.viz:
             try:
-                from posbench.viz import viz_sweep_default
+                from posbench.viz import viz_sweep_default  # here, as plot_runs above
 
                 viz_sweep_default(sweep_dir, out_dir / "viz", self.formats, log=log.debug)
                 log.info("viz pictures and overview written to %s", out_dir / "viz")

@@ -13,7 +13,9 @@ Figures (each only for methods that have the signal):
   trained learned table shows noise past C, where rows never got a gradient;
 - ``qk_decay``: ``E[q.k] / D`` against distance for q, k with iid entries of mean 1 (RoFormer's
   long-term decay), i.e. ``q = k = 1`` through the method's ``rotate_qk``; one curve per RoPE
-  base in ``decay.bases`` and per extension rule in ``decay.rules`` (see :data:`DECAY_RULES`);
+  base in ``decay.bases`` and per evaluation-time extension in ``decay.rules`` (any of
+  :data:`posbench.extension.EXTENSIONS` that applies to the method, at factor span; see
+  :func:`decay_rules`);
 - ``score_terms``: the score term against distance d = i - j, per head, 0 to span x C, trained
   range and extrapolated range shaded differently. It is the mean over queries i of the term at
   (i, i - d), computed from the method's ``score_term`` on a dense index grid, so any score method
@@ -25,9 +27,9 @@ Figures (each only for methods that have the signal):
 - ``overview`` (sweeps): per method, the loss by position next to the mean attended distance.
 
 Attention weights are recomputed eagerly: while the model runs, :func:`recording_attention`
-stands in for ``posbench.model.attend`` and computes ``softmax(q.k / sqrt(D) + score)`` from the
-very q, k and score function the model hands to its backend, one (window, head) at a time, so the
-memory is one (T, T) matrix per step even at 4C.
+installs a :func:`posbench.attention.attention_hook` that computes ``softmax(q.k / sqrt(D) +
+score)`` from the very q, k and score function the model hands to its backend, one (window, head)
+at a time, so the memory is one (T, T) matrix per step even at 4C.
 """
 
 from __future__ import annotations
@@ -44,10 +46,21 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
+from posbench.attention import attention_hook, causal_mask
+from posbench.compare import method_order
+from posbench.data.loader import eval_sequences
+from posbench.device import resolve_device
 from posbench.errors import PosbenchError
-from posbench.methods import ModelDims, PositionMethod, build_method, method_options
-from posbench.attention import causal_mask
+from posbench.extension import EXTENSIONS, Setting, extension_factor
+from posbench.figures import check_formats, colour_of, new_figure, no_data, save
+from posbench.loggers import upload_figures
+from posbench.methods import InputTable, ModelDims, PositionMethod, build_method, method_options
 from posbench.methods.base import ScoreFn, ValueTerm
+from posbench.results import discover_runs
+from posbench.rundir import RunDir
+from posbench.runs import load_run, run_data
+from posbench.spec import MethodSpec, model_config
+from posbench.stats import moving_average
 
 logger = logging.getLogger("posbench")
 Log = Callable[[str], None]
@@ -148,30 +161,25 @@ def has_qk_transform(method: PositionMethod) -> bool:
 
 # --------------------------------------------------------------------------- extension rules
 
-# Evaluation-time extension rules drawn in the decay figure beside the RoPE bases:
-# name -> builder(dims, train_context, eval_length, base) -> a module with ``rotate_qk``.
-# posbench.extension (or anyone) registers rules with :func:`register_decay_rule`; the figure
-# draws the ones named in ``decay.rules``.
-DecayRule = Callable[[ModelDims, int, int, float], PositionMethod]
-DECAY_RULES: dict[str, DecayRule] = {}
+
+def decay_rules(method: PositionMethod) -> list[str]:
+    """The ``decay.rules`` that can be drawn for ``method``: every evaluation-time extension
+    that applies to it (:data:`posbench.extension.EXTENSIONS`, by capability)."""
+    return [name for name, ext in EXTENSIONS.items() if ext.applies(method)]
 
 
-def register_decay_rule(name: str) -> Callable[[DecayRule], DecayRule]:
-    def add(builder: DecayRule) -> DecayRule:
-        DECAY_RULES[name] = builder
-        return builder
-
-    return add
-
-
-def _decay_rule(name: str) -> DecayRule:
-    with contextlib.suppress(ImportError):
-        import posbench.extension  # noqa: F401  (registers its rules, when that module exists)
-    if name not in DECAY_RULES:
+def _check_rule(name: str) -> None:
+    if name not in EXTENSIONS:
         raise PosbenchError(
-            f"unknown decay rule {name!r}; registered rules: {', '.join(DECAY_RULES) or '(none)'} (decay.rules=[...])"
+            f"unknown decay rule {name!r}; choose from the extensions {', '.join(EXTENSIONS)} (decay.rules=[...])"
         )
-    return DECAY_RULES[name]
+
+
+def decay_rule_method(method: PositionMethod, rule: str, context: int, end: int) -> PositionMethod:
+    """``method`` under extension ``rule`` evaluated at length ``end`` (its default factor, L / C),
+    or the method itself where the rule is the identity."""
+    factor = extension_factor(rule, end, context, None)
+    return EXTENSIONS[rule].install(method, Setting(context, end, factor)) or method
 
 
 # --------------------------------------------------------------------------- attention recording
@@ -234,17 +242,15 @@ def _layer_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, kee
 
 @contextlib.contextmanager
 def recording_attention(n_layers: int, map_layers: Sequence[int]) -> Iterator[AttentionRecord]:
-    """Within the block, every attention call of posbench models is computed eagerly and recorded.
+    """Within the block, every attention call of posbench models is computed eagerly and recorded
+    (through :func:`posbench.attention.attention_hook`).
 
     Layers run in order 0..n_layers-1 in each forward; only one forward may run inside the block.
     """
-    import posbench.model as model_module
-
     record = AttentionRecord()
-    original = model_module.attend
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, backend: str, block_mask=None,
-               window: int | None = None, value: ValueTerm | None = None) -> Tensor:
+    def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, window: int | None,
+               value: ValueTerm | None) -> Tensor:
         layer = len(record.layers)
         if layer >= n_layers:
             raise RuntimeError("recording_attention records one forward pass only")
@@ -252,11 +258,8 @@ def recording_attention(n_layers: int, map_layers: Sequence[int]) -> Iterator[At
         record.layers.append(stats)
         return y
 
-    model_module.attend = attend
-    try:
+    with attention_hook(attend):
         yield record
-    finally:
-        model_module.attend = original
 
 
 # --------------------------------------------------------------------------- figures
@@ -283,9 +286,8 @@ def _heads_legend(ax: Any, n_heads: int) -> None:
 def _heatmap_figure(values: np.ndarray, context: int, title: str, *, size: tuple[float, float], marks: str,
                     colour_label: str, xlabel: str, ylabel: str, legend_loc: str, **imshow: Any):
     """A diverging-colour heatmap with the training context marked on ``marks`` ("x" or "xy")."""
-    from posbench.plot import _new_figure
 
-    fig = _new_figure(*size)
+    fig = new_figure(*size)
     ax = fig.add_subplot()
     image = ax.imshow(values, cmap="RdBu_r", interpolation="nearest", **imshow)
     _mark_context(ax, context, marks)
@@ -315,9 +317,8 @@ def position_similarity_figure(similarity: np.ndarray, context: int, title: str)
 
 
 def qk_decay_figure(curves: dict[str, np.ndarray], context: int, title: str):
-    from posbench.plot import _new_figure
 
-    fig = _new_figure(8.0, 4.5)
+    fig = new_figure(8.0, 4.5)
     ax = fig.add_subplot()
     end = max(len(c) for c in curves.values())
     _shade_ranges(ax, context, end)
@@ -334,7 +335,6 @@ def qk_decay_figure(curves: dict[str, np.ndarray], context: int, title: str):
 
 def score_terms_figure(per_layer: list[np.ndarray], context: int, title: str):
     """``per_layer``: (H, T) curves per layer; layers whose curves are all equal share a panel."""
-    from posbench.plot import _new_figure
 
     panels: list[tuple[str, np.ndarray]] = []
     if all(np.allclose(c, per_layer[0], equal_nan=True) for c in per_layer[1:]):
@@ -343,7 +343,7 @@ def score_terms_figure(per_layer: list[np.ndarray], context: int, title: str):
         panels += [(f"layer {i}", c) for i, c in enumerate(per_layer)]
     cols = min(len(panels), 2)
     rows = math.ceil(len(panels) / cols)
-    fig = _new_figure(6.0 * cols, 3.8 * rows)
+    fig = new_figure(6.0 * cols, 3.8 * rows)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, (name, curves) in zip(axes, panels):
         end = curves.shape[1]
@@ -366,12 +366,11 @@ def attention_maps_figure(maps: np.ndarray, context: int, title: str):
     """(H, T, T) attention of one window, one panel per head, log colour scale."""
     from matplotlib.colors import LogNorm
 
-    from posbench.plot import _new_figure
 
     H, T, _ = maps.shape
     cols = min(H, 4)
     rows = math.ceil(H / cols)
-    fig = _new_figure(3.4 * cols, 3.4 * rows + 0.5)
+    fig = new_figure(3.4 * cols, 3.4 * rows + 0.5)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     floor = 1e-4
     future = np.triu(np.ones((T, T), dtype=bool), 1)  # keys after the query: masked, drawn white
@@ -401,17 +400,15 @@ def _position_axis(ax: Any, context: int, length: int, ylabel: str) -> None:
 
 def attention_stats_figure(record: AttentionRecord, context: int, title: str):
     """Entropy and mean attended distance against query position, one line per layer."""
-    from posbench.plot import _new_figure
-    from posbench.stats import moving_average as _moving_average
 
-    fig = _new_figure(12.0, 4.5)
+    fig = new_figure(12.0, 4.5)
     ax_entropy, ax_distance = fig.subplots(1, 2)
     T = record.layers[0].entropy.shape[1]
     x = np.arange(T)
     window = max(1, T // 64)
     for layer, stats in enumerate(record.layers):
-        ax_entropy.plot(x, _moving_average(stats.entropy.mean(0), window), label=f"layer {layer}")
-        ax_distance.plot(x, _moving_average(stats.distance.mean(0), window), label=f"layer {layer}")
+        ax_entropy.plot(x, moving_average(stats.entropy.mean(0), window), label=f"layer {layer}")
+        ax_distance.plot(x, moving_average(stats.distance.mean(0), window), label=f"layer {layer}")
     ax_entropy.plot(x, np.log(x + 1), color="grey", linestyle=":", label="uniform over keys: log(i+1)")
     ax_distance.plot(x, x / 2, color="grey", linestyle=":", label="uniform over keys: i/2")
     _position_axis(ax_entropy, context, T, "attention entropy (nats)")
@@ -440,15 +437,13 @@ class VizSettings:
     formats: tuple[str, ...] = ("png",)
 
     def validate(self) -> "VizSettings":
-        from posbench.plot import _check_formats
-
-        self.formats = tuple(_check_formats(self.formats))
+        self.formats = tuple(check_formats(self.formats))
         for name in ("context", "span", "length_factor", "num_sequences"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PosbenchError(f"viz {name} must be a positive integer, got {value!r}")
         for rule in self.rules:
-            _decay_rule(rule)
+            _check_rule(rule)
         return self
 
 
@@ -458,7 +453,6 @@ def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, o
 
     ``analytic_label`` titles the q-k decay of a method without parameters: computed from its
     definition, it is the same at every step of a run, so a title must not name one."""
-    from posbench.plot import _save
 
     written: list[Path] = []
     end = s.span * s.context
@@ -469,20 +463,20 @@ def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, o
         table = method.input_embedding(positions)
         if table is not None:
             table = table.float().cpu()
-            written += _save(position_table_figure(table.numpy(), s.context, f"{label}: input position table"),
+            written += save(position_table_figure(table.numpy(), s.context, f"{label}: input position table"),
                              out, "position_table", s.formats)
             title = f"{label}: cosine similarity of position embeddings"
-            if method_name == "learned":
-                title += "\n(rows past C get no gradient in training: they stay random)"
-            written += _save(position_similarity_figure(cosine_similarity_matrix(table).numpy(), s.context, title),
+            if isinstance(method, InputTable) and method.table_note:
+                title += f"\n({method.table_note})"
+            written += save(position_similarity_figure(cosine_similarity_matrix(table).numpy(), s.context, title),
                              out, "position_similarity", s.formats)
         if has_qk_transform(method):
             trained = any(True for _ in method.parameters())
             title = (f"{label}: long-term decay of q.k" if trained or analytic_label is None else
                      f"{analytic_label}: long-term decay of q.k\n(analytic: from the method's definition, "
                      "the same at every training step)")
-            written += _save(qk_decay_figure(_decay_curves(method, dims, method_name, options, s), s.context, title),
-                             out, "qk_decay", s.formats)
+            written += save(qk_decay_figure(_decay_curves(method, dims, method_name, options, s, log), s.context, title),
+                            out, "qk_decay", s.formats)
         if method.has_score_term:
             if is_content_dependent(method, dims):
                 log(f"{label}: the score term depends on the queries; pass run=<a trained run> to draw it")
@@ -491,13 +485,13 @@ def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, o
                 heads = list(range(dims.n_heads))
                 per_layer = [score_curves(method.score_term(q, positions, layer), heads, end).numpy()
                              for layer in range(dims.n_layers)]
-                written += _save(score_terms_figure(per_layer, s.context, f"{label}: score term against distance, per head"),
+                written += save(score_terms_figure(per_layer, s.context, f"{label}: score term against distance, per head"),
                                  out, "score_terms", s.formats)
     return written
 
 
 def _decay_curves(method: PositionMethod, dims: ModelDims, method_name: str, options: dict[str, Any],
-                  s: VizSettings) -> dict[str, np.ndarray]:
+                  s: VizSettings, log: Log = logger.info) -> dict[str, np.ndarray]:
     end = s.span * s.context
     curves = {f"{method_name} (this model)": qk_decay(method, end, dims.head_dim).numpy()}
     own_base = options.get("base", method_options(method_name).get("base"))
@@ -508,33 +502,22 @@ def _decay_curves(method: PositionMethod, dims: ModelDims, method_name: str, opt
                 variant = build_method(method_name, dims, **{**options, "base": float(base)})
                 curves[f"{method_name} base={float(base):g}"] = qk_decay(variant, end, dims.head_dim).numpy()
         for rule in s.rules:
-            variant = _decay_rule(rule)(dims, s.context, end, float(own_base))
+            if rule not in decay_rules(method):
+                log(f"decay rule {rule} does not apply to {method_name}; not drawn")
+                continue
+            variant = decay_rule_method(method, rule, s.context, end)
             curves[f"{rule} (base={own_base:g}, to {end})"] = qk_decay(variant, end, dims.head_dim).numpy()
     return curves
 
 
-def _method_section(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
-    from posbench.train import method_from_config
-
-    section = cfg.method
-    if isinstance(section, str):  # method=name given as a plain key, without its group file
-        return section, {}
-    return method_from_config(section)
-
-
 def viz_method(cfg: DictConfig, s: VizSettings, log: Log) -> list[Path]:
     """``posbench viz method=<name>``: the method's signals, untrained."""
-    from posbench.model import ModelConfig
-    from posbench.settings import from_section
-
-    name, options = _method_section(cfg)
-    model = from_section(ModelConfig, "model", OmegaConf.to_container(cfg.model, resolve=True))
-    dims = ModelDims(model.d_model, model.n_heads, model.n_layers)
-    try:
-        torch.manual_seed(0)
-        method = build_method(name, dims, **options)
-    except ValueError as err:
-        raise PosbenchError(f"method={name} cannot run on this model: {err}") from None
+    spec = MethodSpec.from_config(cfg.method)
+    name, options = spec.name, spec.options
+    model = model_config(cfg.model)
+    dims = model.dims
+    torch.manual_seed(0)
+    method = spec.build(dims)
     out = Path(cfg.out or Path("viz") / name)
     state = "at its initialisation" if any(True for _ in method.parameters()) else "fixed"
     written = _signal_figures(method, dims, name, options, s, out, f"{name} ({state}, model={model.flavour})", log)
@@ -546,9 +529,6 @@ def viz_method(cfg: DictConfig, s: VizSettings, log: Log) -> list[Path]:
 
 
 def _held_out_windows(run: Any, length: int, s: VizSettings, log: Log) -> Tensor:
-    from posbench.data.loader import eval_sequences
-    from posbench.runs import run_data
-
     prepared = run_data(run, log)  # the run's own tokens and tokenizer (checksum verified), as posbench eval
     windows = eval_sequences(prepared.tokens(s.split), length, s.num_sequences, split=s.split)
     return windows[:, :length]  # (N, L): the inputs; the extra target token is not needed
@@ -579,18 +559,13 @@ def record_attention(model: Any, tokens: Tensor, map_layers: Sequence[int]) -> A
 def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
             ) -> tuple[list[Path], AttentionRecord, dict[str, Any]]:
     """A trained run's signals and its attention on held-out text at length_factor x C."""
-    from posbench.plot import _save
-    from posbench.runs import load_run
-
     run = load_run(run_dir, device=device, log=log)
     model, method = run.model, run.model.position
     context = int(run.config.trainer.context)
     s = VizSettings(**{**s.__dict__, "context": context})
     name = method.name
-    dims = ModelDims(model.cfg.d_model, model.cfg.n_heads, model.cfg.n_layers)
-    from posbench.train import method_from_config
-
-    _, options = method_from_config(run.config.method)
+    dims = model.cfg.dims
+    options = MethodSpec.from_config(run.config.method).options
     suffix = "" if run_dir.name.startswith(name) else f" ({run_dir.name})"
     label = f"{name}, step {run.step}{suffix}"
     # Content-free score terms are drawn from the method at span x C; run-dependent ones come
@@ -606,14 +581,14 @@ def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
     where = f"{len(tokens)} held-out windows of {length} tokens"
     for layer, stats in enumerate(record.layers):
         if stats.maps is not None:
-            written += _save(attention_maps_figure(stats.maps, context, f"{label}: attention, layer {layer}, "
+            written += save(attention_maps_figure(stats.maps, context, f"{label}: attention, layer {layer}, "
                                                    f"first of {where}"), out, f"attention_maps_layer{layer}", s.formats)
-    written += _save(attention_stats_figure(record, context, f"{label}: attention on {where}"),
+    written += save(attention_stats_figure(record, context, f"{label}: attention on {where}"),
                      out, "attention_entropy_distance", s.formats)
     if method.has_score_term and is_content_dependent(method.cpu(), dims):
         per_layer = [stats.score for stats in record.layers]
         title = f"{label}: score term against distance, per head (mean over real queries, {where})"
-        written += _save(score_terms_figure(per_layer, context, title), out, "score_terms", s.formats)
+        written += save(score_terms_figure(per_layer, context, title), out, "score_terms", s.formats)
     for path in written:
         log(f"wrote {path}")
     return written, record, run.results or {}
@@ -624,24 +599,22 @@ def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
 
 def overview_figure(rows: list[tuple[str, str, dict[str, Any], AttentionRecord]], title: str):
     """Per run: loss by position (left) next to mean attended distance (right), same x axis."""
-    from posbench.plot import _colour, _new_figure, _no_data
-    from posbench.stats import moving_average as _moving_average
 
-    fig = _new_figure(12.0, 2.6 * len(rows) + 0.6)
+    fig = new_figure(12.0, 2.6 * len(rows) + 0.6)
     axes = fig.subplots(len(rows), 2, squeeze=False)
     for (name, method, results, record), (ax_loss, ax_dist) in zip(rows, axes):
         context = int(results.get("train_context", 0)) or None
         length = record.layers[0].distance.shape[1]
         entries = sorted((e for e in results.get("eval", []) if e.get("split") == "validation"),
                          key=lambda e: (e["length"] != length, -e["length"]))
-        colour = _colour(method)
+        colour = colour_of(method)
         if entries:
             loss = np.asarray(entries[0]["loss_by_position"], dtype=np.float64)
-            ax_loss.plot(np.arange(loss.size), _moving_average(loss, max(1, loss.size // 64)), color=colour)
+            ax_loss.plot(np.arange(loss.size), moving_average(loss, max(1, loss.size // 64)), color=colour)
         else:
-            _no_data(fig, ax_loss, "no results.json eval")
+            no_data(fig, ax_loss, "no results.json eval")
         for layer, stats in enumerate(record.layers):
-            ax_dist.plot(np.arange(length), _moving_average(stats.distance.mean(0), max(1, length // 64)),
+            ax_dist.plot(np.arange(length), moving_average(stats.distance.mean(0), max(1, length // 64)),
                          color=colour, alpha=0.35 + 0.65 * (layer + 1) / len(record.layers), linewidth=1.0,
                          label=f"layer {layer}")
         ax_dist.plot(np.arange(length), np.arange(length) / 2, color="grey", linestyle=":", label="uniform: i/2")
@@ -657,16 +630,12 @@ def overview_figure(rows: list[tuple[str, str, dict[str, Any], AttentionRecord]]
 
 def viz_sweep(sweep_dir: Path, s: VizSettings, out: Path, device: str, log: Log) -> list[Path]:
     """Every finished run of a sweep (sub-folder per run) and ``overview.<fmt>``."""
-    from posbench.compare import method_order as _method_order
-    from posbench.plot import _save
-    from posbench.results import discover_runs
-
     runs, problems = discover_runs([sweep_dir])
     for path, reason in problems:
         log(f"skipped {path}: {reason}")
     if not runs:
         raise PosbenchError(f"no finished runs under {sweep_dir}; pass run=<a run or sweep directory>")
-    order = {m: i for i, m in enumerate(_method_order(r.method for r in runs))}
+    order = {m: i for i, m in enumerate(method_order(r.method for r in runs))}
     runs = sorted(runs, key=lambda r: (order[r.method], str(r.path)))
     written: list[Path] = []
     rows = []
@@ -680,15 +649,13 @@ def viz_sweep(sweep_dir: Path, s: VizSettings, out: Path, device: str, log: Log)
         rows.append((run.name, run.method, results, record))
     if not rows:
         raise PosbenchError(f"no run under {sweep_dir} could be drawn (see the lines above)")
-    written += _save(overview_figure(rows, f"Sweep {sweep_dir.name}"), out, "overview", s.formats)
+    written += save(overview_figure(rows, f"Sweep {sweep_dir.name}"), out, "overview", s.formats)
     log(f"wrote {written[-1]}")
     return written
 
 
 def viz_sweep_default(sweep_dir: Path, out: Path, formats: Sequence[str], log: Log) -> list[Path]:
     """The sweep callback's hook: :func:`viz_sweep` with the default settings, on the best device."""
-    from posbench.train import resolve_device
-
     settings = VizSettings(formats=tuple(formats)).validate()
     return viz_sweep(Path(sweep_dir), settings, Path(out), str(resolve_device("auto")), log)
 
@@ -696,64 +663,32 @@ def viz_sweep_default(sweep_dir: Path, out: Path, formats: Sequence[str], log: L
 # --------------------------------------------------------------------------- W&B
 
 
-def wandb_run_id(run_dir: Path) -> str | None:
-    """The id of the newest W&B run recorded under ``<run_dir>/wandb`` (offline or online), if any."""
-    found = sorted((run_dir / "wandb").glob("*run-*-*"), key=lambda p: p.stat().st_mtime)
-    found = [p for p in found if p.is_dir()]
-    return found[-1].name.rsplit("-", 1)[-1] if found else None
-
-
 def log_to_wandb(run_dir: Path, run_config: DictConfig, paths: Sequence[Path], log: Log) -> bool:
-    """Add the figures to the run's W&B run (resumed by id, offline unless credentials exist).
-
-    Only when the run was logged with ``logger=wandb`` and left a run id in its ``wandb/`` folder.
-    A failure is one warning line: the figures on disk are the record.
-    """
-    from posbench.errors import one_line
-    from posbench.loggers import _wandb_init, resolve_mode
-
-    logger_cfg = run_config.get("logger") or {}
-    run_id = wandb_run_id(run_dir)
-    if logger_cfg.get("name") != "wandb" or run_id is None:
-        return False
-    mode = resolve_mode(str(logger_cfg.get("mode") or "auto"), log=log)
-    if mode == "disabled":
-        return False
-    try:
-        import wandb
-
-        run = _wandb_init(mode=mode, dir=Path(logger_cfg.get("dir") or run_dir), id=run_id, resume="allow",
-                          project=logger_cfg.get("project") or "posbench", entity=logger_cfg.get("entity"))
-        run.log({f"viz/{p.stem}": wandb.Image(str(p)) for p in paths if p.suffix == ".png"})
-        run.finish()
-    except Exception as err:  # noqa: BLE001 - W&B must never cost the figures
-        log(f"warning: W&B logging of the figures failed ({one_line(err)}); they are in the run directory")
-        return False
-    log(f"logged {sum(p.suffix == '.png' for p in paths)} figures to W&B run {run_id} ({mode})")
-    return True
+    """Add the figures to the run's W&B run as ``viz/<name>`` (see :func:`posbench.loggers.upload_figures`)."""
+    return upload_figures(run_dir, run_config.get("logger") or {}, paths, log, prefix="viz")
 
 
 # --------------------------------------------------------------------------- command
 
 
 def settings_from_config(cfg: DictConfig) -> VizSettings:
+    """The ``posbench viz`` config -> validated settings; a key it lacks keeps the
+    :class:`VizSettings` default (the one place defaults live besides viz.yaml, tested equal)."""
     attention = cfg.get("attention") or {}
     decay = cfg.get("decay") or {}
+    d = VizSettings()
     return VizSettings(
-        context=cfg.get("context", 256), span=cfg.get("span", 4),
-        length_factor=attention.get("length_factor", 2), num_sequences=attention.get("num_sequences", 4),
-        map_layers=tuple(attention.get("layers", (0, -1))), split=str(attention.get("split", "validation")),
-        bases=tuple(float(b) for b in decay.get("bases", ())), rules=tuple(decay.get("rules", ())),
-        formats=tuple(cfg.get("formats", ("png",))),
+        context=cfg.get("context", d.context), span=cfg.get("span", d.span),
+        length_factor=attention.get("length_factor", d.length_factor),
+        num_sequences=attention.get("num_sequences", d.num_sequences),
+        map_layers=tuple(attention.get("layers", d.map_layers)), split=str(attention.get("split", d.split)),
+        bases=tuple(float(b) for b in decay.get("bases", d.bases)), rules=tuple(decay.get("rules", d.rules)),
+        formats=tuple(cfg.get("formats", d.formats)),
     ).validate()
 
 
 def run_viz(cfg: DictConfig, log: Log = logger.info) -> list[Path]:
     """``posbench viz``: method=<name>, run=<run dir> or run=<sweep dir>."""
-    from posbench.results import RESULTS_FILE
-    from posbench.runs import load_run  # noqa: F401  (import errors surface before any work)
-    from posbench.train import resolve_device
-
     s = settings_from_config(cfg)
     if cfg.get("method") and cfg.get("run"):
         raise PosbenchError("posbench viz takes method=<name> or run=<dir>, not both")
@@ -765,8 +700,9 @@ def run_viz(cfg: DictConfig, log: Log = logger.info) -> list[Path]:
     if not path.is_dir():
         raise PosbenchError(f"{path} is not a directory; pass run=<a run or sweep directory made by posbench train>")
     device = str(resolve_device(str(cfg.get("device", "cpu"))))
-    if (path / "checkpoints").is_dir() or (path / RESULTS_FILE).is_file():
-        out = Path(cfg.out) if cfg.get("out") else path / "figures" / "viz"
+    rundir = RunDir(path)
+    if rundir.checkpoint_dir.is_dir() or rundir.results_path.is_file():
+        out = Path(cfg.out) if cfg.get("out") else rundir.figures_dir / "viz"
         written, _, _ = viz_run(path, s, out, device, log)
         if cfg.get("wandb", True):
             log_to_wandb(path, load_run_config(path), written, log)
@@ -777,19 +713,18 @@ def run_viz(cfg: DictConfig, log: Log = logger.info) -> list[Path]:
 
 def load_run_config(run_dir: Path) -> DictConfig:
     """The run's resolved config.yaml (written by posbench train)."""
-    config = run_dir / "config.yaml"
+    config = RunDir(run_dir).config_path
     return OmegaConf.load(config) if config.is_file() else OmegaConf.create({})
 
 
 __all__ = [
-    "DECAY_RULES",
     "attention_entropy",
     "cosine_similarity_matrix",
     "mean_attended_distance",
     "mean_by_distance",
     "qk_decay",
+    "decay_rules",
     "record_attention",
-    "register_decay_rule",
     "run_viz",
     "score_curves",
     "viz_sweep",

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from posbench.methods import dense_score
+
 # Test models are tiny: one thread avoids oversubscribing a 2-core CI machine, where torch's
 # default threading made single steps ~100x slower under load. Subprocesses inherit the env.
 torch.set_num_threads(1)
@@ -101,3 +103,66 @@ def compose_config(name: str, overrides: list[str]):
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose(config_name=name, overrides=overrides)
+
+
+# ----------------------------------------------------------------------------- method test helpers
+
+
+def methods_with(predicate) -> list[str]:
+    """Registered methods whose class satisfies ``predicate`` (its declared traits), in registry
+    order: test lists follow the registry, so a new method needs no edit here."""
+    from posbench.methods import list_methods, method_class
+
+    return [name for name in list_methods() if predicate(method_class(name))]
+
+
+def qk(B=2, H=4, T=24, D=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    k = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    return q, k
+
+
+def layer_input(q, d_model=32, seed=5):
+    """A stand-in attention input x (B, T, d_model) for content-dependent methods (fox)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(q.shape[0], q.shape[2], d_model, generator=g, dtype=q.dtype)
+
+
+def full_scores(method, q, k, positions, layer=0):
+    """q.k / sqrt(D) after rotate_qk, plus the dense score term: (B, H, T, T)."""
+    qr, kr = method.rotate_qk(q, k, positions, layer)
+    B, H, T, D = q.shape
+    s = torch.einsum("bhid,bhjd->bhij", qr.double(), kr.double()) * D**-0.5
+    x = layer_input(q, method.dims.d_model)
+    fn = method.score_term(qr, positions, layer, k=kr, x=x) if method.has_score_term else None
+    if fn is not None:
+        s = s + dense_score(fn, B, H, T, q.device).double()
+    return s
+
+
+def causal(T):
+    idx = torch.arange(T)
+    return idx[:, None] >= idx[None, :]
+
+
+
+def make_method(name, d_model=32, n_heads=4, n_layers=2, randomise=True, **options):
+    """Method ``name`` in float64, its parameters drawn positive (valid for every method) unless
+    ``randomise`` is false."""
+    torch.manual_seed(0)
+    from posbench.methods import ModelDims, build_method
+
+    m = build_method(name, ModelDims(d_model, n_heads, n_layers), **options)
+    if randomise:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.uniform_(0.2, 1.2)  # positive: valid for kerple's r1, r2 and fire's c
+    return m.double()
+
+
+def dense_term(m, q, pos, layer=0, k=None):
+    """The score term of ``m`` materialised: (B, H, T, T) float64."""
+    B, H, T, _ = q.shape
+    fn = m.score_term(q, pos, layer, k=k, x=layer_input(q, m.dims.d_model))
+    return dense_score(fn, B, H, T, q.device).double()

@@ -11,6 +11,7 @@ from torch import nn
 
 import posbench
 import posbench.attention as attention
+from conftest import assert_matches_reference, make_method as make
 from posbench.attention import FLEX_AVAILABLE, attend, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, dense_score
@@ -314,3 +315,84 @@ def test_cuda_compiled_bf16_matches_fp32_eager(name, backend):
         ref_out = ref(long_idx)
     assert torch.isfinite(out).all()
     assert _rel_err(out, ref_out) < 2e-2, f"T=520 logits rel err {_rel_err(out, ref_out):.3g}"
+
+
+# ---------------------------------------------------------------------------- backends and window
+
+
+def test_cope_refuses_flex_in_one_line_and_auto_avoids_it():
+    m = make("cope")
+    with pytest.raises(PosbenchError, match="model.attention=flex cannot run method=cope: .*dense"):
+        resolve_backend("flex", m, CUDA)
+    assert resolve_backend("auto", m, CUDA) == "sdpa"
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", ["none", "alibi"])
+def test_window_matches_naive_masked_loop(backend, case):
+    T, W = 30, 7
+    q, k, v = qkv(T=T, dtype=torch.float64)
+    score = case_score(case, q, torch.arange(T))
+    out = attend(q, k, v, score, backend, window=W).double()
+    full = score is None or dense_score(score, 2, 4, T, q.device)
+    for i in range(T):
+        j = torch.arange(max(0, i - W + 1), i + 1)
+        logits = torch.einsum("bhd,bhjd->bhj", q[:, :, i], k[:, :, j]) / 4.0
+        if score is not None:
+            logits = logits + full[:, :, i, j].double()
+        ref = torch.einsum("bhj,bhjd->bhd", logits.softmax(-1), v[:, :, j])
+        assert_matches_reference(out[:, :, i], ref, method="window (model.attention_window)",
+                                 reference=f"naive masked loop, {backend}, {case}", atol=1e-5, rtol=1e-5)
+
+
+def test_window_combines_with_any_method_in_the_model():
+    W = 5
+    for name in ("rope", "kerple", "fox"):
+        torch.manual_seed(0)
+        model = posbench.create_model(name, flavour="tiny", vocab_size=64, attention_window=W).eval()
+        a = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+        b = a.clone()
+        b[0, 10] = (a[0, 10] + 1) % 64
+        with torch.no_grad():
+            la, lb = model(a), model(b)
+        # 2 layers: token 10 reaches at most 2 * (W - 1) positions further (fox: up to the
+        # rounding of its cumulative-sum difference, which includes token 10's gate).
+        torch.testing.assert_close(la[0, 10 + 2 * (W - 1) + 1 :], lb[0, 10 + 2 * (W - 1) + 1 :], atol=1e-5, rtol=0)
+        assert not torch.allclose(la[0, 10:12], lb[0, 10:12])
+    assert resolve_backend("auto", make("rope"), CUDA, window=W) in ("flex", "sdpa")
+    with pytest.raises(PosbenchError, match="attention_window"):
+        posbench.create_model("rope", flavour="tiny", attention_window=0)
+
+
+
+
+# ----------------------------------------------------------------------- flex gradients (CUDA only)
+
+# Options that let a method's score term run in flex (relative's value term needs eager).
+FLEX_OPTIONS = {"relative": {"value_term": False}}
+
+
+def _learnable_in_flex(name: str) -> bool:
+    method = build_method(name, ModelDims(32, 4, 2), **FLEX_OPTIONS.get(name, {}))
+    return method.has_score_term and any(True for _ in method.parameters()) and "flex" not in method.backend_limits()
+
+
+LEARNABLE_SCORE_METHODS = [(n, FLEX_OPTIONS.get(n, {})) for n in ALL_METHODS if _learnable_in_flex(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs CUDA")
+@pytest.mark.parametrize("name,options", LEARNABLE_SCORE_METHODS)
+def test_flex_gradients_reach_method_parameters(name, options):
+    grads = {}
+    for backend in ("eager", "flex"):
+        torch.manual_seed(0)
+        model = posbench.create_model(name, flavour="tiny", vocab_size=64, attention=backend,
+                                      method_options=options).cuda()
+        idx = torch.randint(0, 64, (2, 130), generator=torch.Generator().manual_seed(0)).cuda()
+        nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten()).backward()
+        grads[backend] = {n: p.grad for n, p in model.named_parameters() if n.startswith("position.")}
+    for pname, g in grads["eager"].items():
+        flex = grads["flex"][pname]
+        assert flex is not None and flex.abs().sum() > 0, pname
+        torch.testing.assert_close(flex, g, atol=1e-4, rtol=1e-3, msg=pname)

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from conftest import compose_config
 from posbench.config import config_dir, config_names
 from posbench.methods import list_methods, method_options
-from posbench.train import build_spec
+from posbench.spec import build_spec
 
 PRIMARY = ["train", "prepare", "eval", "plot", "bench", "viz"]
 TRAIN_GROUPS = ["method", "model", "data", "trainer", "eval", "logger", "experiment"]
@@ -70,3 +70,54 @@ def test_launchers_compose(launcher):
     assert launcher.split("_")[0] in target.lower() or (launcher == "slurm" and "Slurm" in target)
     if launcher == "slurm":
         assert cfg.hydra.launcher.gpus_per_node == 1
+
+
+@pytest.mark.parametrize("group, option, cls_path, own", [
+    ("trainer", "default", "posbench.settings.TrainerConfig", ()),
+    ("eval", "default", "posbench.settings.EvalConfig", ()),
+    ("model", "small", "posbench.model.ModelConfig", ()),  # the dataclass defaults are the small flavour
+    *(("data", n, "posbench.data.DataConfig", ("source",)) for n in config_names("data")),
+])
+def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
+    """A group's default file and its dataclass agree on every field the file sets (only the
+    option's own choice, e.g. a data source, differs), and the file sets no unknown field."""
+    import importlib
+    from dataclasses import fields
+
+    module, name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    monkeypatch.delenv("POSBENCH_CACHE", raising=False)  # the files' cache_dir default, unresolved by env
+    values = OmegaConf.to_container(OmegaConf.load(config_dir() / group / f"{option}.yaml"), resolve=True)
+    from dataclasses import asdict, is_dataclass
+
+    from posbench.errors import PosbenchError
+    from posbench.settings import from_section
+
+    try:
+        default = from_section(cls, group, {})  # validated: nested settings become their dataclass
+    except PosbenchError:  # a default that needs the file's own choice (a data source's path)
+        default = cls()
+    defaults = {f.name: getattr(default, f.name) for f in fields(cls)}
+    defaults = {k: asdict(v) if is_dataclass(v) else v for k, v in defaults.items()}
+    assert set(values) <= set(defaults), f"{group}/{option}.yaml sets unknown fields"
+    differ = {k: (v, defaults[k]) for k, v in values.items() if k not in own and v != defaults[k]}
+    assert not differ, f"{group}/{option}.yaml and {name} disagree: {differ}"
+
+
+@pytest.mark.parametrize("command", ["bench", "viz"])
+def test_command_defaults_live_once(command):
+    """The settings a command falls back to without its YAML are the YAML's."""
+    from posbench.bench import settings_from_config as bench_settings
+    from posbench.viz import settings_from_config as viz_settings
+
+    if command == "bench":
+        from_yaml, _ = bench_settings(compose_config("bench", []))
+        values = {"model": OmegaConf.to_container(compose_config("bench", []).model)}
+        from_code, _ = bench_settings(values)
+    else:
+        from_yaml = viz_settings(compose_config("viz", []))
+        from_code = viz_settings(OmegaConf.create({}))
+        from posbench.viz import VizSettings
+
+        assert from_code == VizSettings()
+    assert from_yaml == from_code

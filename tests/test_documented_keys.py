@@ -100,7 +100,7 @@ def test_every_documented_method_option_is_settable(method):
 
 @pytest.mark.parametrize("preset", config_names("model"))
 def test_the_window_baseline_is_settable_as_the_readme_writes_it(preset):
-    from posbench.train import build_spec
+    from posbench.spec import build_spec
 
     spec = build_spec(compose_config("train", [f"model={preset}", "model.attention_window=64"]))
     assert spec.model.attention_window == 64

@@ -13,7 +13,9 @@ import pytest
 
 from conftest import QUICK_TRAIN, compose_config
 from posbench.errors import PosbenchError
-from posbench.train import build_spec, headline, train
+from posbench.evaluate import headline
+from posbench.spec import build_spec
+from posbench.train import train
 
 QUIET = lambda _: None  # noqa: E731
 
@@ -152,7 +154,7 @@ def test_validation_subset_is_spread_seeded_and_the_same_for_every_method(tmp_pa
     from posbench.data import prepare_data
     from posbench.data.loader import eval_sequences, spread_sequences
     from posbench.model import build_model
-    from posbench.train import validation_sets
+    from posbench.evaluate import validation_sets
 
     tokens = np.arange(10_000, dtype=np.uint16)
     every = eval_sequences(tokens, 64, 10_000)  # (153, 65)

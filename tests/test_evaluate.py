@@ -284,7 +284,7 @@ def test_a_run_evaluates_on_training_text_with_the_configured_stride(tmp_path) -
 def test_bad_eval_options_are_refused(override: str) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
-    from posbench.train import build_spec
+    from posbench.spec import build_spec
 
     with pytest.raises(PosbenchError, match=override.split("=")[0]):
         build_spec(compose_config("train", [*QUICK_TRAIN, override]))

@@ -12,7 +12,8 @@ from torch import nn
 from posbench.errors import PosbenchError
 from posbench.evaluate import per_position_loss
 from posbench.extension import EXTENSIONS, ExtendedPosition, extended, extension_factor, resolve_extensions
-from posbench.methods import ModelDims, build_method
+from posbench.methods import ModelDims, build_method, list_methods, method_class
+from posbench.methods.base import Rotary
 from posbench.model import ModelConfig, build_model
 
 transformers = pytest.importorskip("transformers")
@@ -221,10 +222,11 @@ def test_log_scaling_multiplies_the_whole_logit_of_late_queries():
 def test_resolve_extensions_refuses_skips_and_expands_all():
     lines: list[str] = []
     assert resolve_extensions(["ntk"], "rope") == ["none", "ntk"]
-    with pytest.raises(PosbenchError, match="ntk does not apply to method=alibi; it applies to rope"):
+    with pytest.raises(PosbenchError, match=r"ntk does not apply to method=alibi; it applies to rotary methods \(rope, p_rope, xpos"):
         resolve_extensions(["ntk"], "alibi")
     assert resolve_extensions(["linear", "ntk", "window"], "learned", log=lines.append) == ["none", "linear", "window"]
-    assert lines == ["skipping extension ntk does not apply to method=learned; it applies to rope"]
+    assert lines == ["skipping extension ntk does not apply to method=learned; it applies to rotary methods "
+                     f"({', '.join(m for m in list_methods() if issubclass(method_class(m), Rotary))})"]
     assert resolve_extensions("all", "alibi") == ["none", "log_scaling", "window"]
     assert resolve_extensions("all", "rope") == ["none", *EXTENSIONS]
     with pytest.raises(PosbenchError, match="unknown eval.extension 'pi'"):
@@ -272,7 +274,7 @@ def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
     proc = posbench_cli("train", *QUICK_TRAIN, "method=alibi", "eval.extension=[ntk]",
                         f"hydra.run.dir={tmp_path / 'alibi'}", check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].endswith("extension ntk does not apply to method=alibi; it applies to rope")
+    assert proc.stderr.strip().splitlines()[-1].endswith("extension ntk does not apply to method=alibi; it applies to rotary methods (rope, p_rope, xpos)")
 
     out = tmp_path / "figs"
     posbench_cli("plot", f"runs=[{run}]", f"out={out}")
@@ -290,8 +292,11 @@ def test_eval_config_takes_a_name_a_list_or_all_and_refuses_unknown_names():
 
     assert from_section(EvalConfig, "eval", {"extension": "all"}).extension == ["all"]
     assert from_section(EvalConfig, "eval", {"extension": ["none", "yarn"]}).extension == ["none", "yarn"]
+    from posbench.extension import check_names
+
+    check_names(["none", "all", "yarn"])
     with pytest.raises(PosbenchError, match="unknown eval.extension 'pi'; choose from none, all, linear"):
-        from_section(EvalConfig, "eval", {"extension": ["pi"]})
+        check_names(from_section(EvalConfig, "eval", {"extension": ["pi"]}).extension)
     with pytest.raises(PosbenchError, match="eval.extension_factor must be >= 1"):
         from_section(EvalConfig, "eval", {"extension_factor": 0.5})
 
@@ -338,3 +343,31 @@ def test_extension_cost_is_measured_against_the_plain_model_inside_the_context_t
     assert linear["cost"]["bands"][inner] == pytest.approx(linear["bands"][inner] - plain["bands"][inner])
     assert linear["cost"]["bands"][inner] != 0
     assert linear["windowed"]["bands"] == plain["windowed"]["bands"]  # one plain reference for both
+
+
+ROTARY_METHODS = [m for m in list_methods() if issubclass(method_class(m), Rotary)]
+
+
+@pytest.mark.parametrize("method", ROTARY_METHODS)
+@pytest.mark.parametrize("name", ["linear", "ntk", "yarn", "llama3"])
+def test_rotary_extensions_apply_to_every_rotary_method_without_touching_it(method, name):
+    """Every Rotary method gets PI/NTK/YaRN/Llama 3 through a copy with new frequencies: the
+    trained module's inv_freq is never changed, and pairs it leaves unrotated (p_rope's zero
+    frequencies) stay unrotated."""
+    holder = Holder(build_method(method, DIMS))
+    trained = holder.position
+    before = trained.inv_freq.clone()
+    with extended(holder, name, C, 4 * C) as factor:
+        assert factor == 4.0
+        inner = holder.position.inner
+        assert inner is not trained and type(inner) is type(trained)
+        assert not torch.equal(inner.inv_freq, before)  # the extension is in force
+        assert torch.equal(inner.inv_freq == 0, before == 0)  # unrotated pairs stay unrotated
+        assert torch.equal(trained.inv_freq, before)  # the live module is never mutated
+        q = torch.randn(1, 2, 8, 32)
+        positions = torch.arange(8)
+        pure_rotation = type(trained).rotate_qk is method_class("rope").rotate_qk  # xpos also scales by position
+        if name == "linear" and pure_rotation:  # angles (n / s) theta: its own rotation at positions n / s
+            torch.testing.assert_close(holder.position.rotate_qk(q, q, positions)[0],
+                                       trained.rotate_qk(q, q, positions.float() / 4)[0], rtol=1e-5, atol=1e-5)
+    assert holder.position is trained and torch.equal(trained.inv_freq, before)

@@ -15,7 +15,8 @@ import pytest
 from conftest import QUICK_TRAIN, compose_config
 from posbench.errors import PosbenchError
 from posbench.results import discover_runs, write_status
-from posbench.train import build_spec, train
+from posbench.spec import build_spec
+from posbench.train import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
 TESTS = Path(__file__).parent
@@ -84,9 +85,9 @@ def test_a_killed_joblib_job_fails_alone_and_the_sweep_goes_on(tmp_path):
 def test_two_evals_of_one_run_at_once_keep_both_entries(trained, monkeypatch):
     """Eval A reads the run, evaluates; meanwhile eval B evaluates and writes; then A writes.
     A must merge into what B wrote, not into what it read before."""
-    import posbench.evaluate
+    import posbench.runs
 
-    real = posbench.evaluate.evaluate_model
+    real = posbench.runs.evaluate_model
     calls = []
 
     def interleaved(*args, **kwargs):
@@ -95,7 +96,7 @@ def test_two_evals_of_one_run_at_once_keep_both_entries(trained, monkeypatch):
             run_eval(trained, "eval.lengths=[128]")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(posbench.evaluate, "evaluate_model", interleaved)
+    monkeypatch.setattr(posbench.runs, "evaluate_model", interleaved)
     run_eval(trained, "eval.lengths=[96]")
     assert lengths_of(trained) == [64, 96, 128]
 

@@ -16,10 +16,11 @@ from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_ha
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import posbench
-from conftest import assert_matches_reference
+from conftest import assert_matches_reference, causal, full_scores, layer_input, methods_with, qk
 from posbench.config import load_group_option
 from posbench.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, dense_score, method_class, method_options
+from posbench.methods.base import Rotary
 from posbench.methods.t5 import causal_bucket
 
 ALL_METHODS = posbench.list_methods()
@@ -30,36 +31,6 @@ def make(name: str, d_model: int = 32, n_heads: int = 4, n_layers: int = 2, **op
     return build_method(name, ModelDims(d_model=d_model, n_heads=n_heads, n_layers=n_layers), **options)
 
 
-def qk(B=2, H=4, T=24, D=8, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, T, D, generator=g, dtype=dtype)
-    k = torch.randn(B, H, T, D, generator=g, dtype=dtype)
-    return q, k
-
-
-def layer_input(q, d_model=32, seed=5):
-    """A stand-in attention input x (B, T, d_model) for content-dependent methods (fox)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(q.shape[0], q.shape[2], d_model, generator=g, dtype=q.dtype)
-
-
-def full_scores(method, q, k, positions, layer=0):
-    """q.k / sqrt(D) after rotate_qk, plus the dense score term: (B, H, T, T)."""
-    qr, kr = method.rotate_qk(q, k, positions, layer)
-    B, H, T, D = q.shape
-    s = torch.einsum("bhid,bhjd->bhij", qr.double(), kr.double()) * D**-0.5
-    x = layer_input(q, method.dims.d_model)
-    fn = method.score_term(qr, positions, layer, k=kr, x=x) if method.has_score_term else None
-    if fn is not None:
-        s = s + dense_score(fn, B, H, T, q.device).double()
-    return s
-
-
-def causal(T):
-    idx = torch.arange(T)
-    return idx[:, None] >= idx[None, :]
-
-
 # ----------------------------------------------------------------------------------------------
 # Registry / interface, for every method
 # ----------------------------------------------------------------------------------------------
@@ -68,6 +39,17 @@ def causal(T):
 def test_builtin_methods_registered():
     assert ALL_METHODS[:7] == ["nope", "learned", "sinusoidal", "rope", "alibi", "t5", "relative"]
     assert len(set(ALL_METHODS)) == len(ALL_METHODS)
+
+
+def test_every_method_module_registers_its_method():
+    """Each module of posbench/methods (but base) defines a registered method: tests iterate over
+    the registry, never over a hand-kept list."""
+    import pkgutil
+
+    import posbench.methods as package
+
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__) if m.name != "base" and not m.name.startswith("_")}
+    assert modules <= {method_class(n).__module__.rsplit(".", 1)[1] for n in ALL_METHODS}
 
 
 @pytest.mark.parametrize("name", ALL_METHODS)
@@ -574,7 +556,7 @@ def test_relative_gradient_reaches_only_its_layer_table():
 # Relative methods: scores depend only on i - j
 # ----------------------------------------------------------------------------------------------
 
-RELATIVE_METHODS = ["rope", "alibi", "t5", "relative"]
+RELATIVE_METHODS = methods_with(lambda cls: cls.relative_scores)
 
 
 @pytest.mark.parametrize("name", RELATIVE_METHODS)
@@ -592,7 +574,7 @@ def test_scores_invariant_to_absolute_shift(name, shift):
     s0 = full_scores(m, q, k, pos)
     s1 = full_scores(m, q, k, pos + shift)
     mask = causal(T)
-    atol = 2e-3 if name == "rope" else 1e-4  # rope: fp32 angles at ~1200
+    atol = 2e-3 if issubclass(method_class(name), Rotary) else 1e-4  # rotary: fp32 angles at ~1200
     torch.testing.assert_close(s1[..., mask], s0[..., mask], atol=atol, rtol=1e-5)
     # and the position information is really there: not shift-invariant per key.
     assert not torch.allclose(s0[..., -1, 0], s0[..., -1, -2], atol=1e-3)

@@ -18,7 +18,10 @@ from omegaconf import OmegaConf
 from conftest import QUICK_TRAIN, compose_config
 from posbench.checkpoint import list_checkpoints, read_checkpoint
 from posbench.errors import PosbenchError
-from posbench.train import RunLock, Trainer, TrainingInterrupted, check_resumable, build_spec, train
+from posbench.resume import check_resumable
+from posbench.rundir import RunLock
+from posbench.spec import build_spec
+from posbench.train import Trainer, TrainingInterrupted, train
 
 
 def run_train(run_dir: Path, *overrides: str, log=lambda _: None) -> dict:
@@ -104,7 +107,7 @@ def test_a_second_training_into_a_locked_run_directory_is_refused(tmp_path):
 
 def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     holder = subprocess.run(
-        [sys.executable, "-c", "import os, signal, sys; from posbench.train import RunLock; "
+        [sys.executable, "-c", "import os, signal, sys; from posbench.rundir import RunLock; "
          "RunLock(sys.argv[1]).__enter__(); os.kill(os.getpid(), signal.SIGKILL)", str(tmp_path)])
     assert holder.returncode == -signal.SIGKILL and (tmp_path / RunLock.OWNER_FILE).exists()
     assert run_train(tmp_path, "method=alibi")["train"]["steps"] == 6
@@ -188,7 +191,7 @@ def test_token_ids_past_the_vocabulary_are_refused_when_the_data_is_opened(tmp_p
     import numpy as np
 
     from posbench.data import prepare_data
-    from posbench.train import data_config
+    from posbench.spec import data_config
 
     cfg = compose_config("train", [*QUICK_TRAIN, f"data.cache_dir={tmp_path}"])
     prepared = prepare_data(data_config(cfg.data), log=lambda _: None)

@@ -60,7 +60,7 @@ def test_an_output_folder_naming_an_existing_file_is_one_line(tmp_path, command,
 
 def test_a_start_refused_by_the_lock_leaves_nothing_in_the_run(tmp_path):
     """Hydra used to write .hydra/ (and append to train.log) before posbench took the lock."""
-    from posbench.train import RunLock
+    from posbench.rundir import RunLock
 
     run_dir = tmp_path / "run"
     done = posbench_cli("train", *QUICK_TRAIN, "method=alibi", f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -235,7 +235,8 @@ def test_a_config_error_next_to_a_run_another_process_holds_writes_nothing_there
     from conftest import compose_config
     from posbench.errors import PosbenchError
     from posbench.results import write_status
-    from posbench.train import RunLock, train
+    from posbench.rundir import RunLock
+    from posbench.train import train
 
     write_status(tmp_path, "running", method="alibi", seed=0)
     before = snapshot(tmp_path)

@@ -15,7 +15,9 @@ import torch
 from conftest import QUICK_TRAIN, compose_config
 from posbench.checkpoint import list_checkpoints, read_checkpoint
 from posbench.errors import PosbenchError
-from posbench.train import TrainingInterrupted, build_spec, lr_lambda, train
+from posbench.optim import lr_lambda
+from posbench.spec import build_spec
+from posbench.train import TrainingInterrupted, train
 
 
 def run_train(run_dir: Path, *overrides: str) -> dict:
@@ -245,7 +247,7 @@ def test_runs_record_the_precision_they_resolved(tmp_path, monkeypatch, native):
 
 def test_precision_auto_is_bf16_where_the_cpu_has_native_bf16(monkeypatch):
     import posbench.hardware as hardware
-    from posbench.train import autocast_dtype
+    from posbench.device import autocast_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)

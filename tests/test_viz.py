@@ -15,18 +15,17 @@ import torch
 from conftest import QUICK_TRAIN, compose_config
 from posbench.methods import ModelDims, build_method
 from posbench.model import ModelConfig, build_model
+from posbench.errors import PosbenchError
+from posbench.loggers import wandb_run_id
 from posbench.viz import (
-    DECAY_RULES,
     attention_entropy,
     cosine_similarity_matrix,
     mean_attended_distance,
     mean_by_distance,
     qk_decay,
     record_attention,
-    register_decay_rule,
     run_viz,
     score_curves,
-    wandb_run_id,
 )
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
@@ -120,28 +119,23 @@ def test_recorded_attention_is_the_model_itself(method):
         assert torch.allclose(torch.from_numpy(merged.layers[0].score), expected_score, atol=1e-4)
 
 
-def test_decay_rules_are_pluggable():
-    @register_decay_rule("test_half_positions")
-    def half(dims, context, length, base):  # a toy "interpolation": positions halved
-        rope = build_method("rope", dims, base=base)
-        rotate = rope.rotate_qk
-        rope.rotate_qk = lambda q, k, positions: rotate(q, k, positions / 2)
-        return rope
+def test_decay_rules_come_from_the_config_and_the_extensions():
+    """decay.rules names evaluation-time extensions; linear at span 2 (factor L / C = 2) halves
+    the positions, so its curve at distance 10 is the method's own at 5."""
+    from posbench.viz import VizSettings, _decay_curves, decay_rules, settings_from_config
 
-    try:
-        cfg = compose_config("viz", ["method=rope", "model=tiny", "context=16", "span=2",
-                                     "decay.rules=[test_half_positions]"])
-        from posbench.viz import VizSettings, _decay_curves, settings_from_config
-
-        settings = settings_from_config(cfg)
-        assert isinstance(settings, VizSettings)
-        curves = _decay_curves(build_method("rope", ModelDims(64, 4, 2)), ModelDims(64, 4, 2), "rope",
-                               {}, settings)
-        rule = curves["test_half_positions (base=10000, to 32)"]
-        own = curves["rope base=10000 (this model)"]
-        assert rule[10] == pytest.approx(own[5], abs=1e-5)
-    finally:
-        DECAY_RULES.pop("test_half_positions")
+    cfg = compose_config("viz", ["method=rope", "model=tiny", "context=16", "span=2", "decay.rules=[linear,window]"])
+    settings = settings_from_config(cfg)
+    assert isinstance(settings, VizSettings) and settings.rules == ("linear", "window")
+    rope = build_method("rope", ModelDims(64, 4, 2))
+    assert "linear" in decay_rules(rope) and "ntk" in decay_rules(rope)
+    curves = _decay_curves(rope, ModelDims(64, 4, 2), "rope", {}, settings)
+    rule = curves["linear (base=10000, to 32)"]
+    own = curves["rope base=10000 (this model)"]
+    assert rule[10] == pytest.approx(own[5], abs=1e-5)
+    assert "window (base=10000, to 32)" in curves  # applies to every method (q.k unchanged)
+    with pytest.raises(PosbenchError, match="unknown decay rule 'bogus'"):
+        settings_from_config(compose_config("viz", ["method=rope", "decay.rules=[bogus]"]))
 
 
 def test_wandb_run_id_is_read_from_the_run_dir(tmp_path):
@@ -225,13 +219,13 @@ def test_figures_go_to_the_runs_wandb_run(tmp_path, monkeypatch):
     """Offline: the figures are logged by resuming the W&B run id recorded in the run dir."""
     from omegaconf import OmegaConf
 
-    from posbench.loggers import _wandb_init
+    from posbench.loggers import wandb_init
     from posbench.viz import log_to_wandb
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_DISABLED", raising=False)
     run_dir = tmp_path / "run"
-    first = _wandb_init(mode="offline", dir=run_dir, project="posbench", name="alibi-s0")
+    first = wandb_init(mode="offline", dir=run_dir, project="posbench", name="alibi-s0")
     run_id = first.id
     first.finish()
     written = run_viz(compose_config("viz", ["method=alibi", "model=tiny", f"out={run_dir / 'figures'}"]),

@@ -35,13 +35,12 @@ from posbench.data.tokenizer import (
     TOKENIZER_FILE,
     describe,
     eot_id_of,
-    file_sha256,
     load_pretrained,
     tokenizer_identity,
     train_bpe,
 )
 from posbench.errors import PosbenchError
-from posbench.io import check_output_dir, write_json_atomic
+from posbench.io import check_output_dir, file_sha256, write_json_atomic
 
 FORMAT_VERSION = 1  # bump on any change to the cache layout or token stream contents
 SPLIT_FILES = {"train": "train.bin", "validation": "valid.bin", "test": "test.bin"}

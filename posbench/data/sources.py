@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 from posbench.data.config import DataConfig, absolute_path
 from posbench.data.synthetic import generate_stories
 from posbench.errors import PosbenchError
+from posbench.io import file_sha256
 
 SYNTHETIC_VERSION = 1  # bump when the generator's output changes, to invalidate caches
 SUPPORTED = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
@@ -286,8 +287,6 @@ def _stat(path: Path) -> list[Any]:
 
 
 def _content(path: Path) -> list[Any]:
-    from posbench.data.tokenizer import file_sha256
-
     return [path.name, path.stat().st_size, file_sha256(path)]
 
 

@@ -7,12 +7,12 @@ tokenize other text with exactly the same vocabulary.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from posbench.data.config import DataConfig, absolute_path
+from posbench.data.sources import hub_unreachable_reason
 from posbench.errors import PosbenchError
 
 EOT = "<|endoftext|>"
@@ -96,15 +96,6 @@ def eot_id_of(tokenizer: Any, name: str = "tokenizer") -> int:
     )
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 hex digest of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def batched(texts: Iterable[str], size: int = 1000) -> Iterator[list[str]]:
     """Group an iterable of texts into lists (what ``train_from_iterator`` digests fastest)."""
     batch: list[str] = []
@@ -131,8 +122,6 @@ def _from_vocab_merges(vocab: Path, merges: Path):
 
 
 def _from_hub(name: str):
-    from posbench.data.sources import hub_unreachable_reason
-
     reason = hub_unreachable_reason()
     if reason is None:
         try:

@@ -11,9 +11,13 @@ import inspect
 from typing import Any
 
 from posbench.errors import PosbenchError
+from posbench.settings import coerce_value
 from posbench.methods.base import (
+    InputTable,
     ModelDims,
+    ParameterDrift,
     PositionMethod,
+    Rotary,
     ScoreFn,
     ValueTerm,
     dense_score,
@@ -38,6 +42,11 @@ def register(cls: type[PositionMethod]) -> type[PositionMethod]:
         raise ValueError(f"position method {cls.name!r} is registered twice")
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def unregister(name: str) -> None:
+    """Remove method ``name`` from the registry (a method registered by a test or a notebook)."""
+    _REGISTRY.pop(name, None)
 
 
 def list_methods() -> list[str]:
@@ -68,8 +77,6 @@ def method_options(name: str) -> dict[str, Any]:
 
 def build_method(name: str, dims: ModelDims, **options: Any) -> PositionMethod:
     """Instantiate method ``name`` for a model of shape ``dims`` with its ``options``."""
-    from posbench.settings import coerce_value
-
     cls = method_class(name)
     known = _option_parameters(name)
     unknown = sorted(set(options) - set(known))
@@ -96,7 +103,9 @@ for _module in _method_modules():
     importlib.import_module(f"posbench.methods.{_module}")
 
 __all__ = [
+    "InputTable",
     "ModelDims",
+    "ParameterDrift",
     "PositionMethod",
     "ScoreFn",
     "ValueTerm",
@@ -109,4 +118,6 @@ __all__ = [
     "needs",
     "position_at",
     "register",
+    "Rotary",
+    "unregister",
 ]

@@ -32,6 +32,7 @@ def alibi_slopes(n_heads: int) -> list[float]:
 @register
 class ALiBi(PositionMethod):
     name = "alibi"
+    relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
 
     def __init__(self, dims: ModelDims) -> None:

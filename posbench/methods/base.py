@@ -31,6 +31,7 @@ Positions are explicit: ``(T,)`` (``arange(T)`` by default, shared by the batch)
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -91,6 +92,12 @@ class PositionMethod(nn.Module):
     name: ClassVar[str] = ""
     has_score_term: ClassVar[bool] = False
     uses_positions: ClassVar[bool] = True
+    relative_scores: ClassVar[bool] = False
+    """Attention logits depend on positions only through i - j (shifting every position by the
+    same amount changes nothing); tests check it for every method that declares it."""
+    llama_equivalent: ClassVar[bool] = False
+    """With its default options, a model using this method computes what transformers'
+    ``LlamaForCausalLM`` of the same shape computes: ``posbench bench`` times that peer beside it."""
 
     def __init__(self, dims: ModelDims) -> None:
         super().__init__()
@@ -137,6 +144,56 @@ class PositionMethod(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name}"
+
+
+# ----------------------------------------------------------------------------- capabilities
+# What a method can do beyond the hooks, declared by subclassing; evaluation-time extensions,
+# figures and tests find methods by these, never by name.
+
+
+class Rotary:
+    """Capability: ``rotate_qk`` rotates channel pairs of q and k by angles ``pos * inv_freq``.
+
+    Implementers hold ``inv_freq`` (R/2 frequencies, RoPE's layout ``base^(-2i/R)``; zeros for
+    pairs left unrotated), ``base`` and ``rotary_dim`` (R rotated channels per head), and
+    rotate with whatever ``inv_freq`` they hold, so :meth:`with_frequencies` changes the angles
+    of every rotation. PI / NTK / YaRN / Llama 3 (:mod:`posbench.extension`) apply to them.
+    """
+
+    inv_freq: Tensor
+    base: float
+    rotary_dim: int
+
+    def with_frequencies(self, inv_freq: Tensor) -> "PositionMethod":
+        """A copy of this method rotating by ``inv_freq`` (R/2,); parameters are shared, this
+        module is never changed. Methods whose own frequencies pin some pairs (zeros) keep them."""
+        inv_freq = inv_freq.to(self.inv_freq.device)
+        inv_freq = torch.where(self.inv_freq == 0, torch.zeros_like(inv_freq), inv_freq)
+        clone = copy.copy(self)
+        clone._buffers = dict(self._buffers)  # type: ignore[attr-defined]  # its own buffer dict
+        clone._buffers["inv_freq"] = inv_freq  # type: ignore[attr-defined]
+        return clone  # type: ignore[return-value]
+
+
+class InputTable:
+    """Capability: ``input_embedding`` is a table of positions that can be read at fractional
+    positions (position interpolation reads it at ``n / s``)."""
+
+    table_note: ClassVar[str | None] = None
+    """A caveat figures of the table state (e.g. rows that training never reaches)."""
+
+    def input_embedding_at(self, positions: Tensor, trained_positions: int | None) -> Tensor:
+        """(T,) fractional float64 positions -> (T, d_model); ``trained_positions``: rows past it
+        never got a gradient. Formula-based tables evaluate the formula at any position."""
+        return self.input_embedding(positions)  # type: ignore[attr-defined]
+
+
+def interpolate_rows(weight: Tensor, positions: Tensor) -> Tensor:
+    """Rows of ``weight`` (P, d) read at fractional ``positions`` (T,), linearly interpolated."""
+    low = positions.floor().long().clamp(max=weight.shape[0] - 1)  # (T,)
+    high = (low + 1).clamp(max=weight.shape[0] - 1)
+    frac = (positions - low.double()).to(weight.dtype)[:, None]  # (T, 1)
+    return weight[low] * (1 - frac) + weight[high] * frac  # (T, d)
 
 
 class ParameterDrift:

@@ -34,6 +34,7 @@ EPS = 1e-2  # the paper's lower bound on r1, r2
 @register
 class Kerple(PositionMethod):
     name = "kerple"
+    relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
 
     def __init__(self, dims: ModelDims, *, variant: str = "log") -> None:

@@ -11,12 +11,13 @@ from torch import Tensor, nn
 
 from posbench.errors import PosbenchError
 from posbench.methods import register
-from posbench.methods.base import ModelDims, PositionMethod, check_table_range
+from posbench.methods.base import InputTable, ModelDims, PositionMethod, check_table_range, interpolate_rows
 
 
 @register
-class Learned(PositionMethod):
+class Learned(InputTable, PositionMethod):
     name = "learned"
+    table_note = "rows past C get no gradient in training: they stay random"
 
     def __init__(self, dims: ModelDims, *, max_positions: int = 4096, init_std: float = 0.02) -> None:
         super().__init__(dims)
@@ -36,3 +37,11 @@ class Learned(PositionMethod):
     def input_embedding(self, positions: Tensor) -> Tensor:
         check_table_range(positions, self.max_positions, self.name)
         return self.table(positions)  # (..., T, d_model)
+
+    def input_embedding_at(self, positions: Tensor, trained_positions: int | None) -> Tensor:
+        """Rows read at fractional (T,) positions, linearly interpolated. Positions in
+        (C - 1, C) would blend in row C, which training never reached (it is still its random
+        init): the last trained row is held instead."""
+        if trained_positions is not None:
+            positions = positions.clamp(max=trained_positions - 1)
+        return interpolate_rows(self.table.weight, positions)  # (T, d_model)

@@ -19,6 +19,7 @@ from posbench.methods.rope import RoPE
 
 @register
 class PRoPE(RoPE):
+    llama_equivalent = False
     name = "p_rope"
 
     def __init__(self, dims: ModelDims, *, base: float = 10000.0, interleaved: bool = False, p: float = 0.75) -> None:

@@ -28,6 +28,7 @@ from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, ValueTerm,
 @register
 class ShawRelative(PositionMethod):
     name = "relative"
+    relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
 
     def __init__(

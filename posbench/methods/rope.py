@@ -14,8 +14,8 @@ Both are true rotations; they differ only by a fixed permutation of the head cha
 only the first ``R = int(D * factor)`` channels of each head are rotated, with frequencies
 computed for R channels; the rest pass through unchanged.
 
-This module holds the one rotation implementation: :class:`RoPE` exposes ``inv_freq`` (a buffer of
-R/2 frequencies) and ``attention_scaling`` (multiplies cos and sin, 1 for plain RoPE; YaRN-style
+This module holds the one rotation implementation: :class:`RoPE` is :class:`Rotary` (``inv_freq``, a
+buffer of R/2 frequencies, ``base``, ``rotary_dim``) and ``attention_scaling`` (multiplies cos and sin, 1 for plain RoPE; YaRN-style
 extensions set it), and xpos and p_rope subclass it.
 """
 
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from posbench.methods import register
-from posbench.methods.base import ModelDims, PositionMethod
+from posbench.methods.base import ModelDims, PositionMethod, Rotary
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -41,8 +41,10 @@ def rotate_interleaved(x: Tensor) -> Tensor:
 
 
 @register
-class RoPE(PositionMethod):
+class RoPE(Rotary, PositionMethod):
     name = "rope"
+    relative_scores = True  # logits depend on positions only through i - j
+    llama_equivalent = True  # with default options, the model is transformers' LlamaForCausalLM
 
     def __init__(
         self, dims: ModelDims, *, base: float = 10000.0, interleaved: bool = False, partial_rotary_factor: float = 1.0

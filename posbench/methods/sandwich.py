@@ -23,6 +23,7 @@ from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, distance
 @register
 class Sandwich(PositionMethod):
     name = "sandwich"
+    relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
 
     def __init__(self, dims: ModelDims, *, d_prime: int = 128, compress_heads: bool = True) -> None:

@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 from posbench.methods import register
-from posbench.methods.base import ModelDims, PositionMethod
+from posbench.methods.base import InputTable, ModelDims, PositionMethod
 
 
 @register
-class Sinusoidal(PositionMethod):
+class Sinusoidal(InputTable, PositionMethod):
     name = "sinusoidal"
 
     def __init__(self, dims: ModelDims, *, base: float = 10000.0, scale: float = 0.02) -> None:

@@ -44,6 +44,7 @@ def causal_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 1
 @register
 class T5Bias(PositionMethod):
     name = "t5"
+    relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
 
     def __init__(

@@ -24,6 +24,7 @@ from posbench.methods.rope import RoPE
 
 @register
 class XPos(RoPE):
+    llama_equivalent = False
     name = "xpos"
 
     def __init__(
