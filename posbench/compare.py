@@ -31,7 +31,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from posbench.methods import list_methods
+from posbench.methods import list_methods, saved_options
 from posbench.results import RunRecord, headline_entries, plain_entries
 from posbench.settings import RESULT_SETTINGS
 from posbench.stats import Interval, across_runs, paired_difference
@@ -95,7 +95,8 @@ def run_facets(run: RunRecord) -> dict[str, Any]:
     """What identifies a run's experiment besides its seed, flattened to ``name: value``: two
     runs belong to one group exactly when these agree. A value a run does not record is
     ``ABSENT`` (shown as ``unknown``), a value recorded as null is None (shown as ``none``)."""
-    options = run.results.get("method_options") or {}
+    # Options the run does not record take the value they had then (t5's bias_scale before issue 23).
+    options = saved_options(run.method, run.results.get("method_options") or {})
     model = {k: v for k, v in (run.results.get("model") or {}).items() if k not in _MODEL_RESULT_KEYS}
     facets: dict[str, Any] = {str(k): v for k, v in sorted(options.items())}
     facets.update({f"model.{k}": v for k, v in sorted(model.items())})

@@ -54,6 +54,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def precision_name(dtype: torch.dtype | None) -> str:
+    """The name results record for an autocast dtype (None: ``fp32``), as ``environment.precision``."""
+    return hardware.PRECISION_NAMES.get(dtype, str(dtype))
+
+
 def autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
     """The autocast context of a forward pass (a no-op context for plain fp32)."""
     return torch.autocast(device.type, dtype=dtype) if dtype else nullcontext()
@@ -85,4 +90,4 @@ def as_posbench_error(err: BaseException) -> BaseException:
     return err
 
 
-__all__ = ["as_posbench_error", "autocast", "autocast_dtype", "seed_everything", "resolve_device", "sweep_job_number"]
+__all__ = ["as_posbench_error", "autocast", "autocast_dtype", "precision_name", "seed_everything", "resolve_device", "sweep_job_number"]

@@ -370,6 +370,17 @@ def read_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     return status if isinstance(status, dict) else None
 
 
+def recorded_precision(results: dict[str, Any], config: Any) -> str | None:
+    """The precision a run trained and was evaluated in (``bf16``, ``fp32``): its results.json
+    ``environment``, else its config's ``trainer.precision`` when that names one; None when
+    unknown (``auto`` before posbench recorded what it resolved to)."""
+    recorded = (results.get("environment") or {}).get("precision")
+    if recorded:
+        return str(recorded)
+    configured = str((config.get("trainer") or {}).get("precision") or "auto")
+    return configured if configured in ("fp32", "bf16") else None
+
+
 @dataclass
 class RunRecord:
     """A run with a valid results.json. ``metrics`` is read from metrics.jsonl on first use."""
@@ -408,11 +419,7 @@ class RunRecord:
     def precision(self) -> str:
         """The precision the run trained in (``bf16``, ``fp32``), or ``unknown`` for results.json
         files from before posbench recorded it (``environment``) under ``trainer.precision=auto``."""
-        recorded = (self.results.get("environment") or {}).get("precision")
-        if recorded:
-            return str(recorded)
-        configured = str((self.config.get("trainer") or {}).get("precision") or "auto")
-        return configured if configured in ("fp32", "bf16") else "unknown"
+        return recorded_precision(self.results, self.config) or "unknown"
 
     def variant(self, label: str) -> "RunRecord":
         """The run as measured under ``label`` (an ``eval_variants`` label, e.g. ``num_sequences=64``,

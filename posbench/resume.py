@@ -18,7 +18,7 @@ from posbench.distributed import DistInfo
 from posbench.errors import PosbenchError
 from posbench.io import file_sha256
 from posbench.settings import RESULT_SETTINGS, TrainerConfig
-from posbench.spec import RunSpec
+from posbench.spec import MethodSpec, RunSpec
 
 
 def run_target(t: TrainerConfig, run_dir: Path) -> Path:
@@ -81,7 +81,7 @@ def check_resumable(state: dict[str, Any], spec: RunSpec, total_steps: int, run_
     model = {k: v for k, v in spec.model.to_dict().items() if k not in ("attention", "flavour")}  # not results
     for name, value in model.items():
         theirs[f"model.{name}"], ours[f"model.{name}"] = state.get("model_config", {}).get(name), value
-    saved_options = state.get("method_options", {})
+    saved_options = MethodSpec.from_saved({"name": state.get("method"), **(state.get("method_options") or {})}).options
     for name in sorted(set(saved_options) | set(spec.method_options)):
         theirs[f"method.{name}"] = saved_options.get(name, "<unset>")
         ours[f"method.{name}"] = spec.method_options.get(name, "<unset>")

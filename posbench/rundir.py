@@ -152,45 +152,50 @@ class RunDir:
         status = read_status(self.path) or {}
         return status.get("status") == "completed" and self.results_path.is_file()
 
-    def record_failure(self, cfg: DictConfig, err: BaseException, claimed: bool) -> None:
+    def record_failure(self, cfg: DictConfig, err: BaseException, claimed: bool) -> bool:
         """Record a failed job without destroying an earlier run's record.
 
         A run this process claimed, or a directory with no record yet, gets status "failed". A
         refused start next to an earlier run's record (a resume under another config, ...) leaves
         that record alone and writes refused.json, which the sweep summary counts as a failure.
-        Best effort: on a full disk the one-line error matters more than the record.
+        Best effort: on a full disk the one-line error matters more than the record. True when
+        status.json now records this failure (the directory's record is this start's).
         """
         if isinstance(err, RunLocked) or not self.path.is_dir():
-            return
+            return False
         method = cfg.get("method", {}).get("name") if isinstance(cfg.get("method"), DictConfig) else None
         earlier_record = any((self.path / name).exists() for name in (STATUS_FILE, RESULTS_FILE)) or bool(
             self.checkpoints())
         try:
             if claimed or not earlier_record:
                 self.write_status("failed", method=method, seed=cfg.get("seed"), error=one_line(err))
-            else:
-                write_json_atomic(self.path / REFUSED_FILE, {
-                    "error": one_line(err), "method": method, "seed": cfg.get("seed"),
-                    "updated": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+                return True
+            write_json_atomic(self.path / REFUSED_FILE, {
+                "error": one_line(err), "method": method, "seed": cfg.get("seed"),
+                "updated": datetime.now(timezone.utc).isoformat(timespec="seconds")})
         except OSError:
             pass
+        return False
 
     def record_unstarted_failure(self, cfg: DictConfig, err: BaseException, hydra_record: Any = None) -> None:
         """:meth:`record_failure` for a start that failed before taking the lock: nothing is
         written into a run directory another process holds. ``hydra_record``: the CLI's
-        :class:`posbench.runlog.HydraRecord`, written beside the record (or dropped)."""
+        :class:`posbench.runlog.HydraRecord`, written beside a status.json of a directory that held
+        no earlier run, else dropped (an earlier run's ``.hydra/`` and log stay as they were)."""
         if not self.path.is_dir():
-            return
-        try:
-            with self.lock():
-                self.record_failure(cfg, err, claimed=False)
-                if hydra_record is not None:
-                    hydra_record.write(cfg)
-        except RunLocked:
             if hydra_record is not None:
                 hydra_record.discard()
-        except OSError:
+            return
+        ours = False
+        try:
+            with self.lock():
+                ours = self.record_failure(cfg, err, claimed=False)
+                if ours and hydra_record is not None:
+                    hydra_record.write(cfg)
+        except (RunLocked, OSError):
             pass  # best effort, as record_failure: the one-line error matters more
+        if not ours and hydra_record is not None:
+            hydra_record.discard()
 
     def remove_stray_temp_files(self, log: Callable[[str], None]) -> None:
         """Delete ``.tmp-*`` files a kill left mid-write (atomic writes, checkpoints included).

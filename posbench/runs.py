@@ -12,17 +12,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from posbench.checkpoint import list_checkpoints, load_latest_checkpoint, load_model_weights
 from posbench.data import DataConfig, PreparedData, cache_dir_of, prepare_data, tokenize_with
-from posbench.device import autocast_dtype, resolve_device
+from posbench.device import autocast_dtype, precision_name, resolve_device
 from posbench.errors import PosbenchError
 from posbench.evaluate import evaluate_model
 from posbench.extension import check_names, resolve_extensions
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.plot import write_run_figures
 from posbench.probes import merge_probe_entries, run_probes
-from posbench.results import merge_eval_entries, read_results_or_quarantine, write_results
+from posbench.results import merge_eval_entries, read_results_or_quarantine, recorded_precision, write_results
 from posbench.rundir import RunDir
 from posbench.settings import EvalConfig, from_section
-from posbench.spec import data_config
+from posbench.spec import MethodSpec, data_config
 from posbench.train import finish_run
 
 logger = logging.getLogger("posbench")
@@ -53,7 +53,8 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", log: Calla
     state = load_latest_checkpoint(path, log=log, map_location="cpu")
     if state is None:
         raise PosbenchError(f"every checkpoint in {path / 'checkpoints'} is damaged; retrain this run")
-    model = build_model(ModelConfig.from_dict(state["model_config"]), state["method"], state["method_options"])
+    method = MethodSpec.from_saved({"name": state["method"], **(state.get("method_options") or {})})
+    model = build_model(ModelConfig.from_dict(state["model_config"]), method.name, method.options)
     load_model_weights(model, state, path)
     model.to(device).eval()
     results = read_results_or_quarantine(path, log)  # a damaged one is set aside and recomputed
@@ -167,16 +168,16 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         prepared = tokenize_with(prepared, other.validate(), log=log)
         source = str(other_path)
     extensions = resolve_extensions(evaluation.extension, run.model.position, log=log)
-    precision = eval_precision(cfg, run)
+    amp_dtype = autocast_dtype(eval_precision(cfg, run), device)
+    precision = precision_name(amp_dtype)  # what it resolved to here (auto -> bf16 or fp32)
     entries = evaluate_model(
         run.model, prepared.tokens(evaluation.split), evaluation.lengths, evaluation.num_sequences,
         evaluation.batch_size, train_context, device, split=evaluation.split, log=log,
-        autocast_dtype=autocast_dtype(precision, device),
+        autocast_dtype=amp_dtype,
         window_stride=evaluation.window_stride, effective_length_eps=evaluation.effective_length_eps,
         extensions=extensions, extension_factor=evaluation.extension_factor,
     )
-    probes = saved_run_probes(run, prepared, evaluation, device, autocast_dtype(eval_precision(cfg, run), device),
-                              log)
+    probes = saved_run_probes(run, prepared, evaluation, device, amp_dtype, log)
     for entry in entries + probes:
         entry["data"] = source
         entry["checkpoint_step"] = run.step
@@ -203,10 +204,11 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
                 f"step {trained}; finish the run (posbench train ... trainer.resume={run.path}) before re-evaluating"
             )
         # The run's entries (and so its headline) stay; other measurements are kept beside them.
-        own_precision = str(OmegaConf.select(run.config, "trainer.precision", default="auto"))
-        merge_eval_entries(results, entries, replace, log, recorded={"precision": own_precision})
+        # The precision of the run's own entries; unknown (auto, before it was recorded) is never "the same".
+        own = {"precision": recorded_precision(results, run.config) or "unknown"}
+        merge_eval_entries(results, entries, replace, log, recorded=own)
         if probes:
-            results["probes"] = merge_probe_entries(results.get("probes", []), probes)
+            results["probes"] = merge_probe_entries(results.get("probes", []), probes, replace, log, recorded=own)
         write_results(run.path, results)
         write_run_figures(run.path, log)
     log(f"updated {rundir.results_path}")

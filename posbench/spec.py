@@ -19,7 +19,7 @@ from posbench.config import check_top_level_keys, config_names, load_group_optio
 from posbench.data import DataConfig
 from posbench.errors import PosbenchError
 from posbench.extension import check_names, resolve_extensions
-from posbench.methods import ModelDims, PositionMethod, build_method, method_class
+from posbench.methods import ModelDims, PositionMethod, build_method, method_class, method_options, saved_options
 from posbench.model import ModelConfig
 from posbench.positions import randomize_max_from_config
 from posbench.settings import EvalConfig, TrainerConfig, from_section
@@ -44,6 +44,24 @@ class MethodSpec:
         if not isinstance(name, str):
             raise PosbenchError("method.name is missing; pick a method with method=<name>")
         return cls(name, values)
+
+    @classmethod
+    def from_saved(cls, section: Any) -> "MethodSpec":
+        """A saved run's ``method`` section (its config.yaml, or a checkpoint's ``{name, **options}``):
+        an option the run does not record takes the value it had before the option existed (the
+        method's ``options_before``), not today's default, so the run is rebuilt as it trained."""
+        spec = cls.from_config(section)
+        return cls(spec.name, saved_options(spec.name, spec.options))
+
+    def recorded(self) -> "MethodSpec":
+        """A new run's spec with every option of ``options_before`` written out (at today's
+        default where not given), so its records never leave the question to :meth:`from_saved`."""
+        today = method_options(self.name)
+        return MethodSpec(self.name, {**{k: today[k] for k in method_class(self.name).options_before}, **self.options})
+
+    def section(self) -> dict[str, Any]:
+        """The ``method`` config section of this spec."""
+        return {"name": self.name, **self.options}
 
     @classmethod
     def defaults(cls, name: str, overrides: dict[str, Any] | None = None) -> "MethodSpec":
@@ -98,8 +116,10 @@ def model_config(section: Any) -> ModelConfig:
     return from_section(ModelConfig, "model", OmegaConf.to_container(section, resolve=True))
 
 
-def build_spec(cfg: DictConfig) -> RunSpec:
-    """Validate the whole composed config; every user error surfaces here, before any work."""
+def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
+    """Validate the whole composed config; every user error surfaces here, before any work.
+    ``saved``: ``cfg`` is an existing run's recorded config (``posbench eval`` finishing it), whose
+    data was chosen when it started: ``data.path`` is checked only for new runs."""
     check_top_level_keys(cfg, "train")
     trainer = from_section(TrainerConfig, "trainer", OmegaConf.to_container(cfg.trainer, resolve=True))
     evaluation = from_section(EvalConfig, "eval", OmegaConf.to_container(cfg.eval, resolve=True))
@@ -107,6 +127,7 @@ def build_spec(cfg: DictConfig) -> RunSpec:
     model = model_config(cfg.model)
     method = MethodSpec.from_config(cfg.method)
     method_class(method.name)
+    method = method.recorded()
     # Build the method once on the meta device: shape problems (odd rope head dim, bad options)
     # are reported now rather than after the data is tokenized.
     probe = method.probe(model.dims)
@@ -124,7 +145,10 @@ def build_spec(cfg: DictConfig) -> RunSpec:
             f"method={method.name} supports positions up to {probe.max_positions} but eval/training "
             f"needs {longest}; raise method.max_positions to at least {longest}"
         )
-    return RunSpec(trainer, evaluation, model, method, data_config(cfg.data).check_path_is_read(), seed,
+    data = data_config(cfg.data)
+    if not saved:
+        data.check_path_is_read()
+    return RunSpec(trainer, evaluation, model, method, data, seed,
                    str(cfg.get("run_name", f"{method.name}-s{seed}")))
 
 

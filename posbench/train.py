@@ -54,7 +54,7 @@ from posbench.results import read_results_or_quarantine, versions
 from posbench.resume import check_resumable, data_identity, load_resume_state, resolve_run_dir, run_target
 from posbench.rundir import RunDir, RunLocked
 from posbench.runlog import HydraRecord
-from posbench.spec import build_spec, check_memory_fits
+from posbench.spec import MethodSpec, build_spec, check_memory_fits
 
 logger = logging.getLogger("posbench")
 
@@ -106,7 +106,7 @@ class Trainer:
                  hydra_record: HydraRecord | None = None) -> None:
         """Config and device only: nothing is read from or written to the run directory yet."""
         self.cfg, self.log, self.evaluate_only, self.hydra_record = cfg, log, evaluate_only, hydra_record
-        self.spec = build_spec(cfg)
+        self.spec = build_spec(cfg, saved=evaluate_only)
         self.t = self.spec.trainer
         self.device, self.dist_info = self._setup_device()
         self.is_main = self.dist_info.is_main
@@ -125,21 +125,33 @@ class Trainer:
             raise
         with lock:
             try:
-                if self.hydra_record is not None:  # the run is this process's: Hydra's record and log
-                    self.hydra_record.write(self.cfg, is_main=self.is_main)
                 return self.stages()
             except TrainingInterrupted:
                 raise
             except BaseException as err:
                 failure = as_posbench_error(err)
+                ours = False  # whether the directory's record is now this start's
                 if self.is_main and (self.claimed or not self.evaluate_only):  # eval refusals record nothing
-                    self.rundir.record_failure(self.cfg, failure, claimed=self.claimed)
+                    ours = self.rundir.record_failure(self.cfg, failure, claimed=self.claimed)
+                self.settle_hydra_record(accepted=self.claimed or ours)
                 raise failure from (None if failure is err else err)
+
+    def settle_hydra_record(self, accepted: bool) -> None:
+        """Hydra's ``.hydra/`` and log file: written once the run is accepted (or its failure is
+        the directory's only record), else dropped, so a refused start leaves an earlier run's
+        record and log as they were."""
+        if self.hydra_record is None:
+            return
+        if accepted:
+            self.hydra_record.write(self.cfg, is_main=self.is_main)
+        else:
+            self.hydra_record.discard()
 
     def stages(self) -> dict[str, Any]:
         """The run, top to bottom."""
         self.setup()  # resume policy, stray temp files, data, memory check, model, optimizer
         finished = self.resume()  # continue from the newest good checkpoint; refuse a mismatch
+        self.settle_hydra_record(accepted=True)  # the run is this process's: Hydra's record and log
         if finished is not None:
             return finished
         self.claim()  # only now config.yaml and status "running" replace the earlier record
@@ -526,6 +538,7 @@ def finish_run(run_dir: Path, config: DictConfig, log: Callable[[str], None], de
     (PosbenchError) while the run still has steps to train."""
     cfg = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     cfg.trainer.resume, cfg.trainer.progress, cfg.trainer.device = str(run_dir), False, device
+    cfg.method = MethodSpec.from_saved(cfg.method).section()  # as it trained, not today's defaults
     if evaluation is not None:
         cfg.eval = OmegaConf.create(OmegaConf.to_container(evaluation, resolve=True))
     return train(cfg, run_dir, log, evaluate_only=True)

@@ -565,7 +565,7 @@ def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
     s = VizSettings(**{**s.__dict__, "context": context})
     name = method.name
     dims = model.cfg.dims
-    options = MethodSpec.from_config(run.config.method).options
+    options = MethodSpec.from_saved(run.config.method).options
     suffix = "" if run_dir.name.startswith(name) else f" ({run_dir.name})"
     label = f"{name}, step {run.step}{suffix}"
     # Content-free score terms are drawn from the method at span x C; run-dependent ones come

@@ -75,6 +75,13 @@ def method_options(name: str) -> dict[str, Any]:
     return {option: p.default for option, p in _option_parameters(name).items()}
 
 
+def saved_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of a saved run of method ``name``: one it does not record takes the value it
+    had before the option existed (the method's ``options_before``), not today's default."""
+    before = _REGISTRY[name].options_before if name in _REGISTRY else {}
+    return {**before, **options}
+
+
 def build_method(name: str, dims: ModelDims, **options: Any) -> PositionMethod:
     """Instantiate method ``name`` for a model of shape ``dims`` with its ``options``."""
     cls = method_class(name)
@@ -115,6 +122,7 @@ __all__ = [
     "list_methods",
     "method_class",
     "method_options",
+    "saved_options",
     "needs",
     "position_at",
     "register",

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -98,6 +98,10 @@ class PositionMethod(nn.Module):
     llama_equivalent: ClassVar[bool] = False
     """With its default options, a model using this method computes what transformers'
     ``LlamaForCausalLM`` of the same shape computes: ``posbench bench`` times that peer beside it."""
+    options_before: ClassVar[dict[str, Any]] = {}
+    """Options added (or whose default changed) after runs were recorded: the value that reproduces
+    what a run recorded without the option computed. A saved run is rebuilt with these, not with
+    today's defaults (:meth:`posbench.spec.MethodSpec.from_saved`)."""
 
     def __init__(self, dims: ModelDims) -> None:
         super().__init__()

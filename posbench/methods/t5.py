@@ -46,6 +46,7 @@ class T5Bias(PositionMethod):
     name = "t5"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
+    options_before = {"bias_scale": 1.0}  # runs from before issue 23 trained the unscaled bias
 
     def __init__(
         self, dims: ModelDims, *, num_buckets: int = 32, max_distance: int = 128, init_std: float = 0.02,
