@@ -142,6 +142,11 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     run = load_run(cfg.run, device=device, log=log)
     section, replace = run_eval_section(cfg, run)
     evaluation = from_section(EvalConfig, "eval", section)
+    probes_only = cfg.get("probes_only", False)
+    if not isinstance(probes_only, bool):
+        raise PosbenchError(f"probes_only must be true or false, got {probes_only!r}")
+    if probes_only and not evaluation.probes:
+        raise PosbenchError("probes_only=true runs only the probes; name them, e.g. 'eval.probes=[copy]'")
     check_names(evaluation.extension)
     train_context = int(run.config.trainer.context)
     limit = run.model.position.max_positions
@@ -170,7 +175,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     extensions = resolve_extensions(evaluation.extension, run.model.position, log=log)
     amp_dtype = autocast_dtype(eval_precision(cfg, run), device)
     precision = precision_name(amp_dtype)  # what it resolved to here (auto -> bf16 or fp32)
-    entries = evaluate_model(
+    entries = [] if probes_only else evaluate_model(
         run.model, prepared.tokens(evaluation.split), evaluation.lengths, evaluation.num_sequences,
         evaluation.batch_size, train_context, device, split=evaluation.split, log=log,
         autocast_dtype=amp_dtype,

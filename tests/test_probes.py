@@ -374,3 +374,34 @@ def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -
     table = copy_markdown(groups)
     assert "| group | runs | k | windows per cell | reach (random) |" in table
     assert "| rope (validation, windows=other) | 1 | 8 | 64 |" in table and "k - 1 tokens" in table
+
+
+def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, monkeypatch) -> None:
+    """``posbench eval probes_only=true``: the copy probe on a finished run without re-running its
+    loss curves; the run's eval entries (its headline) stay byte for byte; without a probe named
+    it is one clear line."""
+    from conftest import QUICK_TRAIN, compose_config
+
+    from posbench.results import read_results
+    from posbench.runs import evaluate_saved_run
+    from posbench.train import train
+
+    run = tmp_path / "run"
+    train(compose_config("train", QUICK_TRAIN), run, log=lambda _: None)
+    before = read_results(run)
+    assert "probes" not in before
+    probe_options = ["eval.probes=[copy]", "eval.copy.distances=[8]", "eval.copy.span=4",
+                     "eval.copy.num_windows=4", "eval.copy.kinds=[random]"]
+    def no_loss_curves(*args, **kwargs):
+        raise AssertionError("probes_only=true must not evaluate the loss curves")
+
+    monkeypatch.setattr("posbench.runs.evaluate_model", no_loss_curves)
+    evaluate_saved_run(compose_config("eval", [f"run={run}", "probes_only=true", *probe_options]), log=lambda _: None)
+    after = read_results(run)
+    assert after["eval"] == before["eval"] and "eval_variants" not in after
+    (entry,) = after["probes"]
+    assert entry["probe"] == "copy" and entry["checkpoint_step"] == before["train"]["steps"]
+    with pytest.raises(PosbenchError, match=r"probes_only=true runs only the probes; name them"):
+        evaluate_saved_run(compose_config("eval", [f"run={run}", "probes_only=true"]), log=lambda _: None)
+    with pytest.raises(PosbenchError, match="probes_only must be true or false"):
+        evaluate_saved_run(compose_config("eval", [f"run={run}", "probes_only=3", *probe_options]), log=lambda _: None)
