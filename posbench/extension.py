@@ -142,6 +142,12 @@ class ExtendedPosition(PositionMethod):
     def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
         return self.inner.value_term(positions, layer)
 
+    def attention_window(self, layer: int) -> int | None:
+        return self.inner.attention_window(layer)
+
+    def normalizer(self, layer: int):
+        return self.inner.normalizer(layer)
+
     def input_embedding(self, positions: Tensor) -> Tensor | None:
         if self.position_scale is None:
             return self.inner.input_embedding(positions)

@@ -28,8 +28,9 @@ Figures (each only for methods that have the signal):
 
 Attention weights are recomputed eagerly: while the model runs, :func:`recording_attention`
 installs a :func:`posbench.attention.attention_hook` that computes ``softmax(q.k / sqrt(D) +
-score)`` from the very q, k and score function the model hands to its backend, one (window, head)
-at a time, so the memory is one (T, T) matrix per step even at 4C.
+score)`` (or the method's own normaliser in place of the softmax) from the very q, k and score
+function the model hands to its backend, one (window, head) at a time, so the memory is one
+(T, T) matrix per step even at 4C.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from posbench.extension import EXTENSIONS, Setting, extension_factor
 from posbench.figures import check_formats, colour_of, new_figure, no_data, save
 from posbench.loggers import upload_figures
 from posbench.methods import InputTable, ModelDims, PositionMethod, build_method, method_options
-from posbench.methods.base import ScoreFn, ValueTerm
+from posbench.methods.base import Normalizer, ScoreFn, ValueTerm
 from posbench.results import discover_runs
 from posbench.rundir import RunDir
 from posbench.runs import load_run, run_data
@@ -201,11 +202,13 @@ class AttentionRecord:
 
 
 def _layer_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, keep_maps: bool,
-                     window: int | None = None, value: ValueTerm | None = None) -> tuple[Tensor, LayerStats]:
+                     window: int | None = None, value: ValueTerm | None = None,
+                     normalize: Normalizer | None = None) -> tuple[Tensor, LayerStats]:
     """Eager causal attention, one (window, head) at a time, with its statistics. (B, H, T, D).
 
-    Same masks (:func:`posbench.attention.causal_mask`, the window baseline included) and value
-    term as the eager backend, so the recorded weights are the ones the model uses.
+    Same masks (:func:`posbench.attention.causal_mask`, the window baseline included), value
+    term and normaliser (softmax, or the method's own) as the eager backend, so the recorded
+    weights are the ones the model uses.
     """
     B, H, T, D = q.shape
     device = q.device
@@ -222,7 +225,8 @@ def _layer_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, kee
                 term = _term_grid(score, b, h, T, device)  # (T, T)
                 logits = logits + term
                 score_sum[h] += mean_by_distance(term)
-            weights = logits.masked_fill(~causal, float("-inf")).softmax(-1)  # (T, T)
+            logits = logits.masked_fill(~causal, float("-inf"))
+            weights = logits.softmax(-1) if normalize is None else normalize(logits)  # (T, T)
             out[b, h] = weights @ v[b, h].float()
             if value is not None:  # Shaw et al.'s value-side term: sum_j p_ij table[bucket_ij]
                 bucket = _term_grid(value.bucket, b, h, T, device).long()  # (T, T)
@@ -250,11 +254,12 @@ def recording_attention(n_layers: int, map_layers: Sequence[int]) -> Iterator[At
     record = AttentionRecord()
 
     def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, window: int | None,
-               value: ValueTerm | None) -> Tensor:
+               value: ValueTerm | None, normalize: Normalizer | None) -> Tensor:
         layer = len(record.layers)
         if layer >= n_layers:
             raise RuntimeError("recording_attention records one forward pass only")
-        y, stats = _layer_attention(q, k, v, score, keep_maps=layer in map_layers, window=window, value=value)
+        y, stats = _layer_attention(q, k, v, score, keep_maps=layer in map_layers, window=window, value=value,
+                                    normalize=normalize)
         record.layers.append(stats)
         return y
 
