@@ -74,6 +74,10 @@ def reference_forward(net, idx, kinds, windows):
 def test_swan_matches_the_written_out_schedule():
     """6 layers of swan (window 8): NoPE global at layers 0 and 4, RoPE window 8 elsewhere."""
     net = model("swan", method_options={"window": 8}, n_layers=6).eval()
+    with torch.no_grad():  # logits of order 1, attention far from uniform: windows and rotations matter
+        for block in net.blocks:
+            block.attn.qkv.weight.mul_(8)
+        net.lm_head.weight.mul_(20)
     idx = tokens(1, 30)
     kinds = ["nope", "rope", "rope", "rope", "nope", "rope"]
     windows = [None, 8, 8, 8, None, 8]
@@ -82,11 +86,12 @@ def test_swan_matches_the_written_out_schedule():
         ours = net.double()(idx)
         ref = reference_forward(net, idx, kinds, windows)
     assert_matches_reference(ours, ref, method="swan", reference="whole model: RoFormer rotation + windowed softmax loop",
-                             atol=1e-9, rtol=1e-9)
+                             atol=1e-5, rtol=1e-5)  # the eager attention runs in fp32
+    assert ref.abs().max() > 0.5
     # ... and the schedule matters: the same weights as plain rope give other logits.
     with torch.no_grad():
         other = reference_forward(net, idx, ["rope"] * 6, [None] * 6)
-    assert (ours - other).abs().max() > 1e-3
+    assert (ours - other).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("single", ["rope", "t5", "relative", "fox"])

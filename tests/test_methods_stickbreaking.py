@@ -109,6 +109,14 @@ def test_matches_sb_ref_matrix_form(attend_current):
                              reference="sb_ref.stickbreaking matrix form, o + rem * v", atol=1e-5, rtol=1e-5)
 
 
+def test_matches_sb_ref_at_4c():
+    """At 4 x C = 1024 keys the log-space reverse cumulative sum stays exact to fp32 rounding."""
+    q, k, v = qkv(B=1, H=1, T=4 * C, D=16, seed=5, scale=1.0)
+    out = attend(q, k, v, None, "eager", normalize=sb().normalizer(0))
+    assert_matches_reference(out.double(), sb_ref_form(q, k, v), method="stickbreaking",
+                             reference="sb_ref.stickbreaking matrix form at 4C = 1024", atol=1e-5, rtol=1e-5)
+
+
 def test_windows_and_score_terms_enter_the_logits():
     """A window hides keys (no weight, no break); a score term is part of z; a -inf term is a mask."""
     q, k, v = qkv(B=1, H=2, T=14, seed=2)

@@ -173,7 +173,7 @@ class Layers(PositionMethod):
 @register
 class Swan(Layers):
     """SWAN-GPT's pattern (Puvvada et al. 2025): one global NoPE layer, then three RoPE layers
-    with a sliding window of ``window`` keys, repeated over the depth (docs/methods-2025.md says
+    with a sliding window of ``window`` keys, repeated over the depth (docs/methods.md says
     why 128 at C = 256)."""
 
     name = "swan"

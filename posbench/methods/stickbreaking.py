@@ -15,7 +15,7 @@ runs over j < l <= i). The mass left over, ``1 - sum_j A_ij``, goes to the query
 compute the output; the first query, with no key before it, returns its own value), or is
 dropped (``remainder=none``: sb_ref's first return value alone). The paper's released model
 instead multiplies the leftover mass by a learned per-head vector and normalises the output; that
-is not done here (docs/methods-2025.md).
+is not done here (docs/methods.md).
 
 Score terms and masks: ``z`` is the whole logit the softmax would have seen, the method's additive
 term included, so an evaluation-time ``log_scaling`` scales it and a ``-inf`` term (the causal mask,
