@@ -244,6 +244,12 @@ def layer_windows(cfg: ModelConfig, method: PositionMethod) -> list[int | None]:
     return windows
 
 
+def attention_backends(cfg: ModelConfig, method: PositionMethod, device: torch.device) -> str:
+    """The backend the layers run in (``sdpa``), or each distinct one in layer order when they
+    differ (``sdpa+flex``: on CUDA a schedule's windowed layers run in flex, its others in sdpa)."""
+    return "+".join(dict.fromkeys(resolve_backend(cfg.attention, method, device, w) for w in layer_windows(cfg, method)))
+
+
 # glibc serves allocations above its largest mmap threshold (32 MiB) with a fresh mmap, and every
 # page of it faults on first touch. Full (B*T, vocab) logits are far above it (batch 16 x 256 x
 # 8192 fp32 = 128 MiB), so on the CPU a training step spent more time in page faults than in the

@@ -17,10 +17,10 @@ from posbench.errors import PosbenchError
 from posbench.extension import EXTENSIONS, Setting, extended, resolve_extensions
 from posbench.methods import ModelDims, build_method
 from posbench.methods.base import ParameterDrift
-from posbench.model import layer_windows
+from posbench.model import attention_backends, layer_windows
 from posbench.positions import randomize_max_from_config
 from posbench.spec import MethodSpec
-from conftest import assert_matches_reference
+from conftest import assert_causal_and_finite, assert_matches_reference
 
 VOCAB = 96
 C = 256
@@ -114,6 +114,16 @@ def test_window_entry_is_the_window_baseline_bitwise():
     assert torch.equal(ours, ref) and torch.equal(narrower, ref)  # a layer keeps the narrower window
 
 
+def test_backends_are_resolved_per_layer():
+    """On CUDA a schedule's windowed layers run in flex and its global NoPE layers in fused sdpa
+    (resolution only: no CUDA needed); bench reports both."""
+    net = model("swan", n_layers=4)
+    assert attention_backends(net.cfg, net.position, torch.device("cuda")) == "sdpa+flex"
+    assert attention_backends(net.cfg, net.position, torch.device("cpu")) == "sdpa"
+    rope = model("rope")
+    assert attention_backends(rope.cfg, rope.position, torch.device("cuda")) == "sdpa"
+
+
 def test_layer_windows_intersect_with_model_window():
     net = model("swan", n_layers=4, method_options={"window": 64}, attention_window=100)
     assert layer_windows(net.cfg, net.position) == [100, 64, 64, 64]
@@ -151,15 +161,7 @@ def test_flex_gradients_match_eager_on_cuda():
 
 def test_causal_and_finite_at_4c():
     net = model("swan", n_layers=4).eval()
-    T, t = 4 * C, 700
-    a = tokens(1, T, seed=1)
-    b = a.clone()
-    b[:, t:] = (a[:, t:] + 1) % VOCAB
-    with torch.no_grad():
-        la, lb = net(a), net(b)
-    assert torch.isfinite(la).all()
-    torch.testing.assert_close(la[:, :t], lb[:, :t], atol=0, rtol=0)
-    assert not torch.allclose(la[:, t:], lb[:, t:], atol=1e-4)
+    assert_causal_and_finite(net, length=4 * C, changed_from=700, vocab=VOCAB)
 
 
 def test_every_parameter_gets_a_gradient_and_is_logged_by_group():

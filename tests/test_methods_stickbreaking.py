@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import posbench
-from conftest import assert_matches_reference
+from conftest import assert_causal_and_finite, assert_matches_reference
 from posbench.attention import attend, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.extension import extended
@@ -164,15 +164,7 @@ def tiny(seed=0, **overrides):
 
 def test_model_is_causal_and_finite_at_4c():
     model = tiny().eval()
-    T, t = 4 * C, 700
-    a = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(1))
-    b = a.clone()
-    b[:, t:] = (a[:, t:] + 1) % VOCAB
-    with torch.no_grad():
-        la, lb = model(a), model(b)
-    assert torch.isfinite(la).all()
-    torch.testing.assert_close(la[:, :t], lb[:, :t], atol=0, rtol=0)
-    assert not torch.allclose(la[:, t:], lb[:, t:], atol=1e-4)
+    assert_causal_and_finite(model, length=4 * C, changed_from=700, vocab=VOCAB)
 
 
 def test_every_parameter_gets_a_gradient_on_the_cpu():
