@@ -110,13 +110,14 @@ def cosine_similarity_matrix(table: Tensor) -> Tensor:
     return unit @ unit.T
 
 
-def qk_decay(method: PositionMethod, length: int, head_dim: int) -> Tensor:
+def qk_decay(method: PositionMethod, length: int, head_dim: int, layer: int = 0) -> Tensor:
     """(length,) ``E[q.k] / D`` at distance d for q, k with iid entries of mean 1 (variance
     irrelevant: the mean part is what survives the expectation), through the method's q-k
-    transform: query at position d, key at position 0. For RoPE it is (2/D) sum_i cos(d theta_i)."""
+    transform of ``layer``: query at position d, key at position 0. For RoPE it is
+    (2/D) sum_i cos(d theta_i)."""
     positions = torch.arange(length)
     ones = torch.ones(1, 1, length, head_dim)
-    q, k = method.rotate_qk(ones, ones, positions)  # (1, 1, T, D)
+    q, k = method.rotate_qk(ones, ones, positions, layer)  # (1, 1, T, D)
     return (q[0, 0] @ k[0, 0, 0]).float() / head_dim
 
 
@@ -149,11 +150,17 @@ def is_content_dependent(method: PositionMethod, dims: ModelDims, length: int = 
     heads = list(range(dims.n_heads))
     try:
         with torch.no_grad():
-            zero = score_curves(method.score_term(torch.zeros_like(q_random), positions, 0), heads, length)
-            rand = score_curves(method.score_term(q_random, positions, 0), heads, length)
+            for layer in range(dims.n_layers):  # a per-layer schedule may gate on content in one layer only
+                zero_fn = method.score_term(torch.zeros_like(q_random), positions, layer)
+                if zero_fn is None:  # no score term in this layer
+                    continue
+                zero = score_curves(zero_fn, heads, length)
+                rand = score_curves(method.score_term(q_random, positions, layer), heads, length)
+                if not torch.allclose(zero, rand):
+                    return True
     except (TypeError, ValueError, RuntimeError, IndexError):  # needs k or x (cope, fox)
         return True
-    return not torch.allclose(zero, rand)
+    return False
 
 
 def has_qk_transform(method: PositionMethod) -> bool:
@@ -488,8 +495,9 @@ def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, o
             else:
                 q = torch.zeros(1, dims.n_heads, end, dims.head_dim)
                 heads = list(range(dims.n_heads))
-                per_layer = [score_curves(method.score_term(q, positions, layer), heads, end).numpy()
-                             for layer in range(dims.n_layers)]
+                terms = [method.score_term(q, positions, layer) for layer in range(dims.n_layers)]
+                per_layer = [np.zeros((len(heads), end)) if fn is None else score_curves(fn, heads, end).numpy()
+                             for fn in terms]  # a schedule's layers without a score term: zero
                 written += save(score_terms_figure(per_layer, s.context, f"{label}: score term against distance, per head"),
                                  out, "score_terms", s.formats)
     return written
@@ -498,7 +506,13 @@ def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, o
 def _decay_curves(method: PositionMethod, dims: ModelDims, method_name: str, options: dict[str, Any],
                   s: VizSettings, log: Log = logger.info) -> dict[str, np.ndarray]:
     end = s.span * s.context
-    curves = {f"{method_name} (this model)": qk_decay(method, end, dims.head_dim).numpy()}
+    per_layer = [qk_decay(method, end, dims.head_dim, layer).numpy() for layer in range(dims.n_layers)]
+    curves = {f"{method_name} (this model)": per_layer[0]}
+    if any(not np.allclose(c, per_layer[0]) for c in per_layer[1:]):  # a per-layer schedule
+        curves = {}
+        for layer, curve in enumerate(per_layer):
+            if not any(np.allclose(curve, seen) for seen in curves.values()):
+                curves[f"{method_name} layer {layer} (this model)"] = curve
     own_base = options.get("base", method_options(method_name).get("base"))
     if own_base is not None:
         curves = {f"{method_name} base={own_base:g} (this model)": curves.popitem()[1]}

@@ -240,3 +240,21 @@ def test_swan_trains_a_step_with_the_schedule_in_the_optimizer():
     before.backward()
     opt.step()
     assert float(net(idx, targets=idx.roll(-1, 1))) < float(before)
+
+
+def test_viz_draws_a_schedule_layer_by_layer(tmp_path):
+    """viz probes every layer: a pattern whose content-free layer comes first is still content
+    dependent (fox), layers without a score term draw zero, and swan's q.k decay is one curve per
+    distinct layer (NoPE's flat line, RoPE's decay)."""
+    from conftest import compose_config
+    from posbench.viz import is_content_dependent, qk_decay, run_viz
+
+    dims = ModelDims(64, 4, 2)
+    assert is_content_dependent(build_method("layers", dims, pattern=["t5", "fox"]), dims)
+    assert not is_content_dependent(build_method("layers", dims, pattern=["t5", "nope"]), dims)
+    swan = build_method("swan", ModelDims(64, 4, 4))
+    assert torch.equal(qk_decay(swan, 64, 16, layer=0), torch.ones(64))
+    assert qk_decay(swan, 64, 16, layer=1)[40] < 0.9
+    written = run_viz(compose_config("viz", ["method=layers", "method.pattern=[alibi,nope]", "model=tiny",
+                                             f"out={tmp_path}"]), log=lambda _: None)
+    assert tmp_path / "score_terms.png" in written
