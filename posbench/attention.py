@@ -1,7 +1,9 @@
 """Causal attention backends that all consume the same position-method description.
 
 - ``eager``: explicit fp32 softmax; the reference every other path is tested against. The only
-  backend that holds the attention probabilities, so the only one that adds a value term.
+  backend that holds the attention probabilities, so the only one that adds a value term or
+  runs a method's own normaliser in place of the softmax (``PositionMethod.normalizer``:
+  stick-breaking).
 - ``sdpa``: ``F.scaled_dot_product_attention``; ``is_causal=True`` (flash / cuDNN kernels) when
   the method has no score term and no window, otherwise the score term and mask materialised as
   an additive mask.
@@ -12,7 +14,9 @@
   relative's value term need the dense attention matrix).
 
 Masks are one definition too (:func:`visible`: causal, optionally a sliding window of W keys):
-dense boolean masks for eager and sdpa, a BlockMask for flex.
+dense boolean masks for eager and sdpa, a BlockMask for flex. The window is per layer (a method
+may give its layers their own, ``PositionMethod.attention_window``); the model builds one
+BlockMask per distinct window.
 
 :func:`attention_hook` lets a tool see (and compute) every attention call of a forward pass,
 e.g. ``posbench viz`` recording the attention weights, without touching the model.
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posbench.errors import PosbenchError
-from posbench.methods.base import PositionMethod, ScoreFn, ValueTerm, dense_score
+from posbench.methods.base import Normalizer, PositionMethod, ScoreFn, ValueTerm, dense_score
 
 BACKENDS = ("auto", "eager", "sdpa", "flex")
 
@@ -90,15 +94,17 @@ def add_value_term(out: Tensor, probs: Tensor, value: ValueTerm) -> Tensor:
 
 
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
-                    window: int | None = None, value: ValueTerm | None = None) -> Tensor:
-    """Reference: softmax(q k^T / sqrt(D) + score) v in fp32, also under autocast. (B, H, T, D)."""
+                    window: int | None = None, value: ValueTerm | None = None,
+                    normalize: Normalizer | None = None) -> Tensor:
+    """Reference: softmax(q k^T / sqrt(D) + score) v in fp32, also under autocast. (B, H, T, D).
+    ``normalize`` replaces the softmax over the masked logits (None: the softmax)."""
     B, H, T, D = q.shape
     with torch.autocast(q.device.type, enabled=False):
         logits = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * D**-0.5  # (B, H, T, T)
         if score is not None:
             logits = logits + dense_score(score, B, H, T, q.device).float()
         logits = logits.masked_fill(~causal_mask(T, q.device, window), float("-inf"))
-        probs = logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1) if normalize is None else normalize(logits)  # (B, H, T, T)
         out = torch.einsum("bhij,bhjd->bhid", probs, v.float())
         if value is not None:
             out = add_value_term(out, probs, value)
@@ -106,9 +112,9 @@ def eager_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, bloc
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
-                   window: int | None = None, value: ValueTerm | None = None) -> Tensor:
-    if value is not None:  # resolve_backend keeps such methods away; this guards direct calls
-        raise PosbenchError("sdpa cannot add a value term: it never returns the attention probabilities")
+                   window: int | None = None, value: ValueTerm | None = None,
+                   normalize: Normalizer | None = None) -> Tensor:
+    check_softmax_only("sdpa", value, normalize)
     if score is None and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     B, H, T, _ = q.shape
@@ -120,6 +126,15 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block
     mask = dense_score(score, B, H, T, q.device).to(q.dtype)  # (B|1, H, T, T)
     mask = mask.masked_fill(~allowed, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def check_softmax_only(backend: str, value: ValueTerm | None, normalize: Normalizer | None) -> None:
+    """A fused backend never holds the attention probabilities: refuse a value term or a
+    normaliser (resolve_backend keeps such methods away; this guards direct calls)."""
+    if value is not None:
+        raise PosbenchError(f"{backend} cannot add a value term: it never holds the attention probabilities")
+    if normalize is not None:
+        raise PosbenchError(f"{backend} always normalises with the softmax; a method's own normaliser runs in eager only")
 
 
 @functools.lru_cache(maxsize=32)
@@ -146,9 +161,9 @@ def _compiled_flex():
 
 
 def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
-                           window: int | None = None, value: ValueTerm | None = None) -> Tensor:
-    if value is not None:  # resolve_backend keeps such methods away; this guards direct calls
-        raise PosbenchError("flex cannot add a value term: it never holds the attention probabilities")
+                           window: int | None = None, value: ValueTerm | None = None,
+                           normalize: Normalizer | None = None) -> Tensor:
+    check_softmax_only("flex", value, normalize)
     if not q.is_cuda and torch.is_grad_enabled() and q.requires_grad:
         # Refuse before the forward: torch's CPU FlexAttention has no backward, and its
         # NotImplementedError would surface mid-step as a traceback.
@@ -174,14 +189,15 @@ def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | Non
 
 _IMPLEMENTATIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_backend}
 
-# fn(q, k, v, score, window, value) -> (B, H, T, D): computes attention in place of the backend.
-AttentionHook = Callable[[Tensor, Tensor, Tensor, "ScoreFn | None", "int | None", "ValueTerm | None"], Tensor]
+# fn(q, k, v, score, window, value, normalize) -> (B, H, T, D): computes attention in place of the backend.
+AttentionHook = Callable[[Tensor, Tensor, Tensor, "ScoreFn | None", "int | None", "ValueTerm | None",
+                          "Normalizer | None"], Tensor]
 _HOOKS: list[AttentionHook] = []
 
 
 @contextlib.contextmanager
 def attention_hook(fn: AttentionHook) -> Iterator[None]:
-    """Within the block, :func:`attend` calls ``fn(q, k, v, score, window, value)`` instead of
+    """Within the block, :func:`attend` calls ``fn(q, k, v, score, window, value, normalize)`` instead of
     the backend (the innermost hook wins), so ``fn`` sees exactly what the model hands it."""
     _HOOKS.append(fn)
     try:
@@ -191,14 +207,15 @@ def attention_hook(fn: AttentionHook) -> Iterator[None]:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, backend: str, block_mask=None,
-           window: int | None = None, value: ValueTerm | None = None) -> Tensor:
+           window: int | None = None, value: ValueTerm | None = None, normalize: Normalizer | None = None) -> Tensor:
     """Causal attention with an optional additive score term. (B, H, T, D) -> (B, H, T, D).
 
     ``block_mask``: flex's BlockMask, built once per forward by the model and shared by its
     layers (inside torch.compile the lru_cache is not honoured, so building it per layer would
     recompute it per layer); it must agree with ``window``. ``window``: keys ``window`` or more
     positions back are masked (the window baseline). ``value``: a value-side term (eager only).
+    ``normalize``: replaces the softmax (eager only; see ``PositionMethod.normalizer``).
     """
     if _HOOKS:  # an attention_hook is active (e.g. posbench viz recording the weights)
-        return _HOOKS[-1](q, k, v, score, window, value)
-    return _IMPLEMENTATIONS[backend](q, k, v, score, block_mask, window, value)
+        return _HOOKS[-1](q, k, v, score, window, value, normalize)
+    return _IMPLEMENTATIONS[backend](q, k, v, score, block_mask, window, value, normalize)

@@ -82,14 +82,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 import posbench
-from posbench.attention import resolve_backend
 from posbench.device import autocast, autocast_dtype, resolve_device
 from posbench.errors import PosbenchError, one_line
 from posbench.evaluate import per_position_loss
 from posbench.hardware import cpu_matmul_peak_tflops
 from posbench.io import write_json_atomic, write_text_atomic
 from posbench.methods import PositionMethod, list_methods, method_class
-from posbench.model import ModelConfig, Transformer, build_model
+from posbench.model import ModelConfig, Transformer, attention_backends, build_model
 from posbench.optim import TrainStep
 from posbench.settings import TrainerConfig, from_section
 from posbench.spec import MethodSpec
@@ -507,7 +506,7 @@ def bench_method(env: Env, name: str) -> dict[str, Any]:
     """Train-step and eval timings of one method; the model is freed when this returns."""
     torch.manual_seed(0)
     model = build_model(env.model_cfg, name, method_config(name)).to(env.device)
-    backend = resolve_backend(env.model_cfg.attention, model.position, env.device, env.model_cfg.attention_window)
+    backend = attention_backends(env.model_cfg, model.position, env.device)
     n_matmul = matmul_parameters(model)
     flops = train_flops_per_token(n_matmul, env.model_cfg.n_layers, env.settings.context, env.model_cfg.d_model)
     result: dict[str, Any] = {"parameters": model.num_parameters(), "matmul_parameters": n_matmul}
@@ -803,7 +802,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
                 raise
             logger.error("bench %s failed: %s\n%s", name, one_line(err), traceback.format_exc())
             probe = MethodSpec.defaults(name).probe(model_cfg.dims)
-            backend = resolve_backend(model_cfg.attention, probe, device, model_cfg.attention_window)
+            backend = attention_backends(model_cfg, probe, device)
             report["methods"][name] = {"train": {"error": one_line(err), "attention_backend": backend}, "eval": {}}
             failures.append(f"{name} ({one_line(err)})")
         finally:

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from posbench.errors import PosbenchError
 from posbench.methods import list_methods, method_class
-from posbench.methods.base import InputTable, PositionMethod, Rotary, ScoreFn, ValueTerm
+from posbench.methods.base import InputTable, Normalizer, PositionMethod, Rotary, ScoreFn, ValueTerm
 
 NONE = "none"
 CAPABILITY_NAMES = {Rotary: "rotary", InputTable: "input-table"}
@@ -141,6 +141,12 @@ class ExtendedPosition(PositionMethod):
 
     def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
         return self.inner.value_term(positions, layer)
+
+    def attention_window(self, layer: int) -> int | None:
+        return self.inner.attention_window(layer)
+
+    def normalizer(self, layer: int) -> Normalizer | None:
+        return self.inner.normalizer(layer)
 
     def input_embedding(self, positions: Tensor) -> Tensor | None:
         if self.position_scale is None:

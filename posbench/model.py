@@ -5,9 +5,10 @@
            -> RMSNorm -> LM head -> logits
 
 Attention applies ``method.rotate_qk`` to q/k, ``method.score_term`` to the logits (it may read q,
-k and the layer input x) and ``method.value_term`` to the output; one method instance is shared by
-all layers (methods that want per-layer parameters index them by layer). ``attention_window``
-masks keys W or more positions back, for any method.
+k and the layer input x), ``method.normalizer`` in place of the softmax where the method has one,
+and ``method.value_term`` to the output; one method instance is shared by all layers (methods that
+want per-layer parameters index them by layer). ``attention_window`` masks keys W or more
+positions back, for any method; a method may narrow it per layer (``method.attention_window``).
 No biases anywhere, as in Llama. With ``method=rope`` the model is numerically the same function
 as ``transformers.LlamaForCausalLM`` of the same shape (tested).
 """
@@ -123,17 +124,17 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads = cfg.n_heads
         self.backend = cfg.attention
-        self.window = cfg.attention_window
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None,
+                window: int | None = None) -> Tensor:
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
         q, k = method.rotate_qk(q, k, positions, self.layer)  # (B, H, T, D) each
         score = method.score_term(q, positions, self.layer, k=k, x=x) if method.has_score_term else None
         value = method.value_term(positions, self.layer)
-        backend = resolve_backend(self.backend, method, x.device, self.window)
-        y = attend(q, k, v, score, backend, block_mask, self.window, value)  # (B, H, T, D)
+        backend = resolve_backend(self.backend, method, x.device, window)
+        y = attend(q, k, v, score, backend, block_mask, window, value, method.normalizer(self.layer))  # (B, H, T, D)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -156,8 +157,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, method, block_mask)
+    def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None,
+                window: int | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, method, block_mask, window)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -205,12 +207,13 @@ class Transformer(nn.Module):
         pos_emb = self.position.input_embedding(positions)  # (T, C) or (B, T, C)
         if pos_emb is not None:
             x = x + pos_emb.to(x.dtype)
-        block_mask = None
-        window = self.cfg.attention_window
-        if resolve_backend(self.cfg.attention, self.position, idx.device, window) == "flex":
-            block_mask = causal_block_mask(T, str(idx.device), window)  # once per forward, for all layers
-        for block in self.blocks:
-            x = block(x, positions, self.position, block_mask)
+        windows = layer_windows(self.cfg, self.position)
+        block_masks = {}  # once per forward and distinct window, shared by the layers that use it
+        for window in dict.fromkeys(windows):
+            if resolve_backend(self.cfg.attention, self.position, idx.device, window) == "flex":
+                block_masks[window] = causal_block_mask(T, str(idx.device), window)
+        for block, window in zip(self.blocks, windows):
+            x = block(x, positions, self.position, block_masks.get(window), window)
         return self.norm(x)
 
     def forward(self, idx: Tensor, positions: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
@@ -229,6 +232,22 @@ class Transformer(nn.Module):
             if not self.cfg.tie_embeddings:
                 total -= self.lm_head.weight.numel()
         return total
+
+
+def layer_windows(cfg: ModelConfig, method: PositionMethod) -> list[int | None]:
+    """The attention window of every layer: ``model.attention_window`` and the method's own
+    (``method.attention_window``) both mask, so a layer keeps the narrower; None = full causal."""
+    windows = []
+    for layer in range(cfg.n_layers):
+        given = [w for w in (cfg.attention_window, method.attention_window(layer)) if w is not None]
+        windows.append(min(given) if given else None)
+    return windows
+
+
+def attention_backends(cfg: ModelConfig, method: PositionMethod, device: torch.device) -> str:
+    """The backend the layers run in (``sdpa``), or each distinct one in layer order when they
+    differ (``sdpa+flex``: on CUDA a schedule's windowed layers run in flex, its others in sdpa)."""
+    return "+".join(dict.fromkeys(resolve_backend(cfg.attention, method, device, w) for w in layer_windows(cfg, method)))
 
 
 # glibc serves allocations above its largest mmap threshold (32 MiB) with a fresh mmap, and every

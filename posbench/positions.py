@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from posbench.errors import PosbenchError
-from posbench.methods import method_class
+from posbench.methods import PositionMethod, method_class
 
 # Odd 64-bit constants (splitmix64's) spread (seed, step, rank, micro) over the seed space.
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)
@@ -38,8 +38,11 @@ def method_label(method: str, randomize_max: int | None) -> str:
     return method if randomize_max is None else f"{method}+rand{randomize_max}"
 
 
-def randomize_max_from_config(cfg: Any, method: str, context: int, max_positions: int | None) -> int | None:
-    """Validated ``positions.randomize_max`` of a run config (None when the option is off)."""
+def randomize_max_from_config(cfg: Any, method: str | PositionMethod, context: int,
+                              max_positions: int | None) -> int | None:
+    """Validated ``positions.randomize_max`` of a run config (None when the option is off).
+    ``method``: its name, or the built method (whether it reads positions can depend on its
+    options, e.g. a per-layer schedule of nope layers only)."""
     section = cfg.get("positions") if cfg is not None else None
     value = None if section is None else section.get("randomize_max")
     if value is None:
@@ -49,7 +52,10 @@ def randomize_max_from_config(cfg: Any, method: str, context: int, max_positions
             f"positions.randomize_max must be an integer >= trainer.context={context}, got {value!r}; "
             f"e.g. positions.randomize_max={8 * context}"
         )
-    if not method_class(method).uses_positions:
+    reads_positions = (method_class(method) if isinstance(method, str) else method).uses_positions
+    if not isinstance(method, str):
+        method = method.name
+    if not reads_positions:
         raise PosbenchError(f"method={method} reads no position ids, so positions.randomize_max cannot change it; remove it")
     if max_positions is not None and value > max_positions:
         raise PosbenchError(

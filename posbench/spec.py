@@ -131,7 +131,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     # Build the method once on the meta device: shape problems (odd rope head dim, bad options)
     # are reported now rather than after the data is tokenized.
     probe = method.probe(model.dims)
-    randomize_max_from_config(cfg, method.name, trainer.context, probe.max_positions)  # randomized positions
+    randomize_max_from_config(cfg, probe, trainer.context, probe.max_positions)  # randomized positions
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise PosbenchError(f"seed must be an integer, got {seed!r}")

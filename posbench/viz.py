@@ -28,8 +28,9 @@ Figures (each only for methods that have the signal):
 
 Attention weights are recomputed eagerly: while the model runs, :func:`recording_attention`
 installs a :func:`posbench.attention.attention_hook` that computes ``softmax(q.k / sqrt(D) +
-score)`` from the very q, k and score function the model hands to its backend, one (window, head)
-at a time, so the memory is one (T, T) matrix per step even at 4C.
+score)`` (or the method's own normaliser in place of the softmax) from the very q, k and score
+function the model hands to its backend, one (window, head) at a time, so the memory is one
+(T, T) matrix per step even at 4C.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from posbench.extension import EXTENSIONS, Setting, extension_factor
 from posbench.figures import check_formats, colour_of, new_figure, no_data, save
 from posbench.loggers import upload_figures
 from posbench.methods import InputTable, ModelDims, PositionMethod, build_method, method_options
-from posbench.methods.base import ScoreFn, ValueTerm
+from posbench.methods.base import Normalizer, ScoreFn, ValueTerm
 from posbench.results import discover_runs
 from posbench.rundir import RunDir
 from posbench.runs import load_run, run_data
@@ -109,13 +110,14 @@ def cosine_similarity_matrix(table: Tensor) -> Tensor:
     return unit @ unit.T
 
 
-def qk_decay(method: PositionMethod, length: int, head_dim: int) -> Tensor:
+def qk_decay(method: PositionMethod, length: int, head_dim: int, layer: int = 0) -> Tensor:
     """(length,) ``E[q.k] / D`` at distance d for q, k with iid entries of mean 1 (variance
     irrelevant: the mean part is what survives the expectation), through the method's q-k
-    transform: query at position d, key at position 0. For RoPE it is (2/D) sum_i cos(d theta_i)."""
+    transform of ``layer``: query at position d, key at position 0. For RoPE it is
+    (2/D) sum_i cos(d theta_i)."""
     positions = torch.arange(length)
     ones = torch.ones(1, 1, length, head_dim)
-    q, k = method.rotate_qk(ones, ones, positions)  # (1, 1, T, D)
+    q, k = method.rotate_qk(ones, ones, positions, layer)  # (1, 1, T, D)
     return (q[0, 0] @ k[0, 0, 0]).float() / head_dim
 
 
@@ -148,11 +150,17 @@ def is_content_dependent(method: PositionMethod, dims: ModelDims, length: int = 
     heads = list(range(dims.n_heads))
     try:
         with torch.no_grad():
-            zero = score_curves(method.score_term(torch.zeros_like(q_random), positions, 0), heads, length)
-            rand = score_curves(method.score_term(q_random, positions, 0), heads, length)
+            for layer in range(dims.n_layers):  # a per-layer schedule may gate on content in one layer only
+                zero_fn = method.score_term(torch.zeros_like(q_random), positions, layer)
+                if zero_fn is None:  # no score term in this layer
+                    continue
+                zero = score_curves(zero_fn, heads, length)
+                rand = score_curves(method.score_term(q_random, positions, layer), heads, length)
+                if not torch.allclose(zero, rand):
+                    return True
     except (TypeError, ValueError, RuntimeError, IndexError):  # needs k or x (cope, fox)
         return True
-    return not torch.allclose(zero, rand)
+    return False
 
 
 def has_qk_transform(method: PositionMethod) -> bool:
@@ -201,11 +209,13 @@ class AttentionRecord:
 
 
 def _layer_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, keep_maps: bool,
-                     window: int | None = None, value: ValueTerm | None = None) -> tuple[Tensor, LayerStats]:
+                     window: int | None = None, value: ValueTerm | None = None,
+                     normalize: Normalizer | None = None) -> tuple[Tensor, LayerStats]:
     """Eager causal attention, one (window, head) at a time, with its statistics. (B, H, T, D).
 
-    Same masks (:func:`posbench.attention.causal_mask`, the window baseline included) and value
-    term as the eager backend, so the recorded weights are the ones the model uses.
+    Same masks (:func:`posbench.attention.causal_mask`, the window baseline included), value
+    term and normaliser (softmax, or the method's own) as the eager backend, so the recorded
+    weights are the ones the model uses.
     """
     B, H, T, D = q.shape
     device = q.device
@@ -222,7 +232,8 @@ def _layer_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, kee
                 term = _term_grid(score, b, h, T, device)  # (T, T)
                 logits = logits + term
                 score_sum[h] += mean_by_distance(term)
-            weights = logits.masked_fill(~causal, float("-inf")).softmax(-1)  # (T, T)
+            logits = logits.masked_fill(~causal, float("-inf"))
+            weights = logits.softmax(-1) if normalize is None else normalize(logits)  # (T, T)
             out[b, h] = weights @ v[b, h].float()
             if value is not None:  # Shaw et al.'s value-side term: sum_j p_ij table[bucket_ij]
                 bucket = _term_grid(value.bucket, b, h, T, device).long()  # (T, T)
@@ -250,11 +261,12 @@ def recording_attention(n_layers: int, map_layers: Sequence[int]) -> Iterator[At
     record = AttentionRecord()
 
     def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, window: int | None,
-               value: ValueTerm | None) -> Tensor:
+               value: ValueTerm | None, normalize: Normalizer | None) -> Tensor:
         layer = len(record.layers)
         if layer >= n_layers:
             raise RuntimeError("recording_attention records one forward pass only")
-        y, stats = _layer_attention(q, k, v, score, keep_maps=layer in map_layers, window=window, value=value)
+        y, stats = _layer_attention(q, k, v, score, keep_maps=layer in map_layers, window=window, value=value,
+                                    normalize=normalize)
         record.layers.append(stats)
         return y
 
@@ -483,8 +495,9 @@ def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, o
             else:
                 q = torch.zeros(1, dims.n_heads, end, dims.head_dim)
                 heads = list(range(dims.n_heads))
-                per_layer = [score_curves(method.score_term(q, positions, layer), heads, end).numpy()
-                             for layer in range(dims.n_layers)]
+                terms = [method.score_term(q, positions, layer) for layer in range(dims.n_layers)]
+                per_layer = [np.zeros((len(heads), end)) if fn is None else score_curves(fn, heads, end).numpy()
+                             for fn in terms]  # a schedule's layers without a score term: zero
                 written += save(score_terms_figure(per_layer, s.context, f"{label}: score term against distance, per head"),
                                  out, "score_terms", s.formats)
     return written
@@ -493,7 +506,13 @@ def _signal_figures(method: PositionMethod, dims: ModelDims, method_name: str, o
 def _decay_curves(method: PositionMethod, dims: ModelDims, method_name: str, options: dict[str, Any],
                   s: VizSettings, log: Log = logger.info) -> dict[str, np.ndarray]:
     end = s.span * s.context
-    curves = {f"{method_name} (this model)": qk_decay(method, end, dims.head_dim).numpy()}
+    per_layer = [qk_decay(method, end, dims.head_dim, layer).numpy() for layer in range(dims.n_layers)]
+    curves = {f"{method_name} (this model)": per_layer[0]}
+    if any(not np.allclose(c, per_layer[0]) for c in per_layer[1:]):  # a per-layer schedule
+        curves = {}
+        for layer, curve in enumerate(per_layer):
+            if not any(np.allclose(curve, seen) for seen in curves.values()):
+                curves[f"{method_name} layer {layer} (this model)"] = curve
     own_base = options.get("base", method_options(method_name).get("base"))
     if own_base is not None:
         curves = {f"{method_name} base={own_base:g} (this model)": curves.popitem()[1]}

@@ -166,3 +166,16 @@ def dense_term(m, q, pos, layer=0, k=None):
     B, H, T, _ = q.shape
     fn = m.score_term(q, pos, layer, k=k, x=layer_input(q, m.dims.d_model))
     return dense_score(fn, B, H, T, q.device).double()
+
+
+def assert_causal_and_finite(model, length: int, changed_from: int, vocab: int) -> None:
+    """Tokens changed from ``changed_from`` on leave every earlier logit bitwise the same (and
+    change later ones); all logits finite at ``length``."""
+    a = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
+    b = a.clone()
+    b[:, changed_from:] = (a[:, changed_from:] + 1) % vocab
+    with torch.no_grad():
+        la, lb = model(a), model(b)
+    assert torch.isfinite(la).all()
+    torch.testing.assert_close(la[:, :changed_from], lb[:, :changed_from], atol=0, rtol=0)
+    assert not torch.allclose(la[:, changed_from:], lb[:, changed_from:], atol=1e-4)

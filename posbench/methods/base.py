@@ -42,6 +42,9 @@ from posbench.errors import PosbenchError
 
 # fn(b, h, q_idx, kv_idx) -> additive logit term, broadcasting over its integer-tensor arguments.
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+# fn(logits) -> attention weights, both (..., T, T) fp32; query i and key i share index i, keys a
+# query must not see are -inf (the causal mask, the window, a -inf score term).
+Normalizer = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,17 @@ class PositionMethod(nn.Module):
 
     def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
         """A value-side term for ``layer`` (see :class:`ValueTerm`), or None."""
+        return None
+
+    def attention_window(self, layer: int) -> int | None:
+        """A sliding window the method imposes on ``layer`` (keys W or more positions back are
+        masked), or None. ``model.attention_window`` still applies: a layer keeps the narrower."""
+        return None
+
+    def normalizer(self, layer: int) -> Normalizer | None:
+        """What replaces the softmax over the masked logits of ``layer`` (see :data:`Normalizer`),
+        or None for the softmax. Only the eager backend runs one: a method that returns one
+        declares sdpa and flex in :meth:`backend_limits`."""
         return None
 
     def position_parameters(self) -> dict[str, nn.Parameter]:
