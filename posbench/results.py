@@ -66,8 +66,8 @@ def headline_entries(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # The settings an eval entry was measured under, beyond its key: two entries of one key that
 # differ in any of them were measured on other windows or otherwise, so neither replaces the other.
-MEASUREMENT_FIELDS = ("num_sequences", "sequences_sha256", "window_stride", "extension_factor", "precision",
-                      "checkpoint_step")
+MEASUREMENT_FIELDS = ("num_sequences", "sequences_sha256", "window_stride", "extension_factor", "extension_options",
+                      "precision", "checkpoint_step")
 
 
 def entry_measurement(entry: dict[str, Any], recorded: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -85,7 +85,8 @@ def variant_label(new: dict[str, Any], reference: dict[str, Any], recorded: dict
     and the extension factor counts only between entries of one extension."""
     ours, theirs = entry_measurement(new), entry_measurement(reference, recorded)
     if entry_extension(new) != entry_extension(reference):
-        ours.pop("extension_factor"), theirs.pop("extension_factor")
+        for name in ("extension_factor", "extension_options"):
+            ours.pop(name), theirs.pop(name)
     differs = [name for name in ours if theirs.get(name) is not None and ours[name] != theirs[name]]
     if "num_sequences" in differs and "sequences_sha256" in differs:  # other windows follow from another
         differs.remove("sequences_sha256")  # count: say the count (older entries record no checksum)
