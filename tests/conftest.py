@@ -166,3 +166,17 @@ def dense_term(m, q, pos, layer=0, k=None):
     B, H, T, _ = q.shape
     fn = m.score_term(q, pos, layer, k=k, x=layer_input(q, m.dims.d_model))
     return dense_score(fn, B, H, T, q.device).double()
+
+
+def assert_causal_model(model, length: int, changed_at: int, vocab: int = 64) -> torch.Tensor:
+    """Changing input token ``changed_at`` of a (1, length) sequence changes no earlier logit and
+    does change a later one; the logits (1, length, vocab) are finite. Returns them."""
+    idx = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    changed = idx.clone()
+    changed[0, changed_at] = (idx[0, changed_at] + 1) % vocab
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a[0, :changed_at], b[0, :changed_at], atol=0, rtol=0)
+    assert not torch.allclose(a[0, changed_at:], b[0, changed_at:])
+    return a
