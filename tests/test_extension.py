@@ -272,6 +272,15 @@ def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
     assert [e["extension_factor"] for e in entries[:4]] == [None, 2.0, 2.0, 2.0]
     assert entries[5]["extension_factor"] == 4.0
     assert len({e["bands"]["32-64"] for e in entries[:4]}) == 4  # every extension changes the loss
+    # The extensions with settings of their own record them (defaults from C = 32 filled in).
+    posbench_cli("eval", f"run={run}", "eval.extension=[rerope,self_extend]", "eval.lengths=[64]",
+                 "eval.rerope.window=8", "eval.self_extend.group=4")
+    added = [e for e in json.loads((run / "results.json").read_text())["eval"]
+             if e["extension"] in ("rerope", "self_extend")]
+    assert [(e["length"], e["extension"], e["extension_options"]) for e in added] == [
+        (64, "rerope", {"window": 8, "leaky": None, "log_scaling": True}),
+        (64, "self_extend", {"window": 8, "group": 4})]
+    assert all(e["extension_factor"] is None and e["bands"]["32-64"] != entries[0]["bands"]["32-64"] for e in added)
 
     # An extension that does not apply is refused in one line, before any training.
     proc = posbench_cli("train", *QUICK_TRAIN, "method=alibi", "eval.extension=[ntk]",
@@ -284,7 +293,7 @@ def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
     out = tmp_path / "figs"
     posbench_cli("plot", f"runs=[{run}]", f"out={out}")
     table = (out / "extensions.md").read_text()
-    assert "| rope | yarn | 1 |" in table and "| rope | none | 1 |" in table
+    assert "| rope | yarn | 1 |" in table and "| rope | none | 1 |" in table and "| rope | rerope | 1 |" in table
     for name in ("extension_matrix.png", "extension_curves.png", "extensions.csv"):
         assert (out / name).stat().st_size > 0, name
     # The method comparison reads the plain entries only.
