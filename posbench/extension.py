@@ -212,7 +212,7 @@ class ExtendedPosition(PositionMethod):
             pairs.append(transform_apart(self.inner, q, k, self.remap.query_at(positions),
                                          self.remap.key_at(positions), layer))
         if self.qk_scale != 1.0:
-            pairs = [(q, k) for q, k in ((q * self.qk_scale, k * self.qk_scale) for q, k in pairs)]
+            pairs = [(q * self.qk_scale, k * self.qk_scale) for q, k in pairs]
         if self.log_context is not None:
             scale = self.query_scale(positions)[..., None]  # scales q.k / sqrt(D) per query
             pairs = [(q * scale.to(q.dtype), k) for q, k in pairs]
