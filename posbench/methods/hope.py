@@ -4,11 +4,11 @@ Encoding Without Long-Term Decay for Enhanced Context Awareness and Extrapolatio
 
 RoPE (the rotation of :mod:`posbench.methods.rope`, reused) keeping only the frequency pairs that
 complete at least one full rotation within the training context, ``theta_i * train_context >=
-2 pi`` (wavelength ``2 pi / theta_i <= C``). The paper finds that the lower frequencies are the
-ones the model turns into its U-shaped / long-term-decay patterns ("activated" components, whose
-cosine falls and rises once over the training length) or into near-constant, position-free
-channels; HoPE replaces all of them with position-independent components: frequency 0, so those
-pairs pass through unrotated (``inv_freq`` holds the zeros, and context extensions keep them).
+2 pi`` (wavelength ``2 pi / theta_i <= C``). The paper finds that some low-frequency components
+("activated" ones) shape RoPE's U-shaped attention and limit extrapolation, and that the top
+low-frequency components settle into near-constant, position-free patterns; HoPE replaces the
+low-frequency components with position-independent ones: frequency 0 here, so those pairs pass
+through unrotated (``inv_freq`` holds the zeros, and context extensions keep them).
 
 Relation to ``p_rope``: the same mechanism (zero the lowest frequencies), a different rule for the
 cut. p_rope keeps a fixed fraction ``p`` of the pairs, whatever the context; HoPE keeps the pairs
