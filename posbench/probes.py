@@ -41,6 +41,7 @@ from torch import nn
 from posbench.errors import PosbenchError
 from posbench.evaluate import score_rows
 from posbench.extension import NONE, extended, extension_options
+from posbench.results import shown_setting
 from posbench.settings import KINDS, PROBES  # noqa: F401  (names owned by the settings)
 from posbench.stats import bootstrap_interval
 
@@ -333,10 +334,6 @@ PROBE_MEASUREMENT_FIELDS = ("num_windows", "span", "seed", "kinds", "distances",
                             "precision", "checkpoint_step")
 
 
-def _shown_setting(value: Any) -> str:
-    return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-
-
 def probe_variant_label(new: dict[str, Any], reference: dict[str, Any],
                         recorded: dict[str, Any] | None = None) -> str | None:
     """``name=value,...`` for the settings (``PROBE_MEASUREMENT_FIELDS``) where ``new`` differs
@@ -349,7 +346,7 @@ def probe_variant_label(new: dict[str, Any], reference: dict[str, Any],
     if "windows_sha256" in differs and set(differs) & {"num_windows", "span", "seed", "kinds"}:
         differs.remove("windows_sha256")
     return ",".join(f"windows={str(new.get(name))[:12]}" if name == "windows_sha256"
-                    else f"{name}={_shown_setting(new.get(name))}" for name in differs) or None
+                    else f"{name}={shown_setting(new.get(name))}" for name in differs) or None
 
 
 def merge_probe_entries(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]], replace: bool = False,

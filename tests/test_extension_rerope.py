@@ -211,3 +211,18 @@ def test_settings_are_validated_and_recorded_in_the_entries():
     assert entries[1]["extension_factor"] is None
     json.dumps(entries)  # results.json-ready
     assert len({x["bands"][f"{C}-{2 * C}"] for x in entries}) == 3
+
+
+def test_entries_measured_with_other_settings_are_variants_labelled_by_them():
+    """A rerope entry measured with another window never replaces the run's rerope entry: it is
+    a variant labelled compactly by the settings (eval and copy probe entries alike)."""
+    from posbench.probes import probe_variant_label
+    from posbench.results import variant_label
+
+    old = {"extension": "rerope", "extension_options": {"window": 32, "leaky": None, "log_scaling": True}}
+    new = {"extension": "rerope", "extension_options": {"window": 16, "leaky": None, "log_scaling": True}}
+    assert variant_label(new, old) == "extension_options=window:16/leaky:None/log_scaling:True"
+    assert variant_label(old, old) is None
+    assert variant_label(new, {"extension": "rerope"}) is None  # an entry from before the record
+    assert variant_label(new, {"extension": "none"}) is None  # other extensions: not compared
+    assert probe_variant_label(new, old) == "extension_options=window:16/leaky:None/log_scaling:True"
