@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from posbench.data.loader import eval_sequences, spread_sequences
 from posbench.errors import PosbenchError
-from posbench.extension import NONE, extended
+from posbench.extension import NONE, extended, extension_options
 from posbench.model import CPU_LOGITS_CHUNK_BYTES
 from posbench.results import SCHEMA_VERSION, headline_entries
 from posbench.stats import moving_average
@@ -305,12 +305,14 @@ def evaluate_model(
     effective_length_window: int = EFFECTIVE_LENGTH_WINDOW,
     extensions: Sequence[str] = ("none",),
     extension_factor: float | None = None,
+    extension_settings: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Evaluate ``model`` at every length in ``lengths``; returns results.json ``eval`` entries.
 
     Every (length, extension) pair of ``extensions`` (see :mod:`posbench.extension`; ``none`` =
     the plain model) is its own entry, with ``extension`` and ``extension_factor`` (the factor
-    used, None for ``none``) keys.
+    used, None for ``none``) keys, and ``extension_options`` for an extension with settings of
+    its own (``extension_settings``, by extension name: rerope, self_extend).
 
     For each length ``L`` (sorted, deduplicated) the first ``num_sequences`` non-overlapping
     windows of ``L + 1`` tokens of ``tokens`` are scored (deterministic: same tokens, same
@@ -361,7 +363,7 @@ def evaluate_model(
         plain_inside = None  # (N, C): the plain model's losses inside the context, from the none pass
         for extension in [NONE, *(e for e in extensions if e != NONE)]:  # none first: it is the reference
             started = time.perf_counter()
-            with extended(model, extension, train_context, length, extension_factor) as factor:
+            with extended(model, extension, train_context, length, extension_factor, extension_settings) as factor:
                 full = per_sequence_loss(model, sequences, batch_size, device, autocast_dtype=autocast_dtype).numpy()
             seconds = time.perf_counter() - started
             if extension == NONE:
@@ -371,6 +373,9 @@ def evaluate_model(
                            window_seconds=window_seconds, eps=effective_length_eps,
                            smooth=effective_length_window)
             entry["extension"], entry["extension_factor"] = extension, factor
+            used = extension_options(extension, train_context, length, extension_settings)
+            if used is not None:
+                entry["extension_options"] = used
             entries.append(entry)
             label = "" if extension == NONE else f" {extension}" + ("" if factor is None else f" (factor {factor:g})")
             shown = ", ".join(f"{k}: {v:.4f}" for k, v in entry["bands"].items())
@@ -433,7 +438,8 @@ def evaluate_run(model: nn.Module, prepared: Any, spec: Any, device: torch.devic
     entries = evaluate_model(model, tokens, e.lengths, e.num_sequences, e.batch_size, spec.trainer.context,
                              device, split=e.split, log=log, autocast_dtype=amp_dtype,
                              window_stride=e.window_stride, effective_length_eps=e.effective_length_eps,
-                             extensions=e.extension, extension_factor=e.extension_factor)
+                             extensions=e.extension, extension_factor=e.extension_factor,
+                             extension_settings=e.extension_options())
     return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed,
             "train_context": spec.trainer.context, "eval": entries,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}

@@ -31,6 +31,22 @@ default ``L / C``):
   bounded.
 - ``window``: a sliding-window mask of width ``C``: the query at ``n`` sees keys
   ``n - C + 1 .. n``, never a distance it was not trained on.
+- ``rerope``: ReRoPE (Su 2023, kexue.fm/archives/9708; reference bojone/rerope
+  ``rerope_patch.py``): relative positions ``d < w`` stay exact, the others become ``w``
+  (``eval.rerope.window``, default ``C / 8``: the reference's 512 of 4096); with
+  ``eval.rerope.leaky=k``, Leaky ReRoPE's ``w + (d - w) / k`` (``leaky_rerope_patch.py``). As
+  the reference patch, the queries are also scaled by ``max(1, log(n + 1) / log C)``
+  (``eval.rerope.log_scaling``).
+- ``self_extend``: Self-Extend (Jin et al. 2024, reference datamllab/LongLM
+  ``self_extend_patch/Llama.py``): relative positions ``d < W`` stay exact (``eval.self_extend.window``,
+  default ``C / 4``: LongLM's 1024 of 4096); farther keys see the grouped positions
+  ``floor(i / G) + W - W / G`` (query) and ``floor(j / G)`` (key), ``G`` = ``eval.self_extend.group``
+  (default 8), so the two regions join at ``d = W``.
+
+ReRoPE and Self-Extend (:class:`RelativeRemap`) compute two logit matrices, the plain one and one
+with the queries and keys transformed at the remapped positions, and merge them by the mask
+``d >= window``: densely, (B, H, T, T) fp32 per layer (the merge is a score term holding the
+difference of the two). Every backend runs it; none is fused.
 
 The RoPE frequencies and attention factors come from ``transformers.modeling_rope_utils``
 (``ROPE_INIT_FUNCTIONS``), the code Llama, Qwen and Mistral users run. ``longrope`` is not offered:
@@ -45,15 +61,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from posbench.errors import PosbenchError
 from posbench.methods import list_methods, method_class
-from posbench.methods.base import InputTable, Normalizer, PositionMethod, Rotary, ScoreFn, ValueTerm
+from posbench.methods.base import InputTable, Normalizer, PositionMethod, Rotary, ScoreFn, ValueTerm, distance
+from posbench.settings import ReRoPEConfig, SelfExtendConfig
 
 NONE = "none"
 CAPABILITY_NAMES = {Rotary: "rotary", InputTable: "input-table"}
@@ -66,6 +83,9 @@ class Setting:
     train_context: int
     length: int
     factor: float | None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Settings of the extensions that take some, by name (``rerope``: a ReRoPEConfig); a
+    missing one takes its defaults."""
 
 
 @dataclass(frozen=True)
@@ -82,11 +102,37 @@ class Extension:
     default_factor: str | None = "L/C"
     """Its factor when ``eval.extension_factor`` is null: ``L/C``, ``1`` (dynamic_ntk, whose
     scale already follows the length), or None for rules that take no factor."""
+    resolved_options: Callable[[Setting], dict[str, Any]] | None = None
+    """Its own settings as used at a setting (defaults filled in), recorded in results."""
 
     def applies(self, method: "str | PositionMethod | type[PositionMethod]") -> bool:
         """Whether it applies to ``method`` (a name, a method or its class)."""
         cls = method_type(method)
         return self.applies_to is None or issubclass(cls, self.applies_to)
+
+
+@dataclass(frozen=True)
+class RelativeRemap:
+    """Keys at distance ``d >= window`` (position ids) from the query are scored with the query
+    transformed at ``query_at(positions)`` and the key at ``key_at(positions)`` (float position
+    ids, same shape as ``positions``) instead of at their own positions."""
+
+    window: int
+    query_at: Callable[[Tensor], Tensor]
+    key_at: Callable[[Tensor], Tensor]
+
+
+def transform_apart(method: PositionMethod, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor,
+                    layer: int) -> tuple[Tensor, Tensor]:
+    """q (B, H, T, D) transformed at ``q_positions`` and k at ``k_positions`` by ``method.rotate_qk``.
+
+    ONE call on the sequence ``[q; q]`` / ``[k; k]`` at positions ``[q_positions; k_positions]``
+    (2T tokens): a transform that reads the whole row of positions (xpos centres its scales on
+    it) sees one row for queries and keys, so their scores stay those of the method."""
+    T = q.shape[-2]
+    qq, kk = method.rotate_qk(torch.cat((q, q), dim=-2), torch.cat((k, k), dim=-2),
+                              torch.cat((q_positions, k_positions), dim=-1), layer)
+    return qq[..., :T, :], kk[..., T:, :]
 
 
 def method_type(method: "str | PositionMethod | type[PositionMethod]") -> type:
@@ -111,11 +157,15 @@ class ExtendedPosition(PositionMethod):
           sin by the rope attention factor, which is the same linear map).
       ``log_context``: logits of query position n scaled by ``max(1, log(n + 1) / log(C))``.
       ``window``: keys farther than ``window - 1`` positions behind the query are masked.
+      ``remap``: keys at distance >= ``remap.window`` scored at remapped positions (ReRoPE,
+          Self-Extend): :meth:`rotate_qk` also transforms q and k at those positions and keeps
+          them for the :meth:`score_term` call of the same layer that follows it, whose term adds
+          the difference of the two logits there.
     """
 
     def __init__(self, inner: PositionMethod, *, inv_freq: Tensor | None = None, position_scale: float | None = None,
                  qk_scale: float = 1.0, log_context: int | None = None, window: int | None = None,
-                 trained_positions: int | None = None) -> None:
+                 trained_positions: int | None = None, remap: RelativeRemap | None = None) -> None:
         super().__init__(inner.dims)
         if inv_freq is not None:
             inner = inner.with_frequencies(inv_freq)  # type: ignore[attr-defined]  # a Rotary copy
@@ -126,10 +176,12 @@ class ExtendedPosition(PositionMethod):
         self.qk_scale = qk_scale
         self.log_context = log_context
         self.window = window
+        self.remap = remap
+        self.remapped: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # q, k, q at remap, k at remap
         # The window is a score term (-inf past the window), so every backend applies it unchanged.
         # log_scaling alone needs no score term: scaling q scales q.k; a method's bias is scaled in
         # score_term below.
-        self.has_score_term = inner.has_score_term or window is not None  # type: ignore[misc]
+        self.has_score_term = inner.has_score_term or window is not None or remap is not None  # type: ignore[misc]
         self.uses_positions = inner.uses_positions  # type: ignore[misc]
 
     @property
@@ -161,22 +213,44 @@ class ExtendedPosition(PositionMethod):
         return ratio.clamp(min=1.0).float()
 
     def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
-        q, k = self.inner.rotate_qk(q, k, positions, layer)  # (B, H, T, D) each
+        pairs = [self.inner.rotate_qk(q, k, positions, layer)]  # (B, H, T, D) each
+        if self.remap is not None:
+            pairs.append(transform_apart(self.inner, q, k, self.remap.query_at(positions),
+                                         self.remap.key_at(positions), layer))
         if self.qk_scale != 1.0:
-            q, k = q * self.qk_scale, k * self.qk_scale
+            pairs = [(q * self.qk_scale, k * self.qk_scale) for q, k in pairs]
         if self.log_context is not None:
-            q = q * self.query_scale(positions)[..., None].to(q.dtype)  # scales q.k / sqrt(D) per query
-        return q, k
+            scale = self.query_scale(positions)[..., None]  # scales q.k / sqrt(D) per query
+            pairs = [(q * scale.to(q.dtype), k) for q, k in pairs]
+        if self.remap is not None:
+            self.remapped = (*pairs[0], *pairs[1])
+        return pairs[0]
+
+    def remap_term(self, q: Tensor, k: Tensor | None, positions: Tensor) -> Tensor:
+        """(B, H, T, T) fp32: the remapped logits minus the plain ones where d >= window, else 0."""
+        if self.remapped is None or self.remapped[0] is not q or self.remapped[1] is not k:
+            raise RuntimeError("the remapped q, k belong to the rotate_qk call of this layer; call it first")
+        q, k, q_far, k_far = (t.float() for t in self.remapped)
+        self.remapped = None
+        with torch.autocast(q.device.type, enabled=False):
+            term = torch.einsum("bhid,bhjd->bhij", q_far, k_far)  # (B, H, T, T)
+            term -= torch.einsum("bhid,bhjd->bhij", q, k)
+            term *= q.shape[-1] ** -0.5  # the backends' scale
+        idx = torch.arange(q.shape[-2], device=q.device)
+        batch = torch.arange(positions.shape[0] if positions.dim() == 2 else 1, device=q.device).view(-1, 1, 1, 1)
+        near = distance(positions, batch, idx.view(1, 1, -1, 1), idx.view(1, 1, 1, -1)) < self.remap.window  # type: ignore[union-attr]
+        return term.masked_fill_(near, 0.0)
 
     def score_term(self, q: Tensor, positions: Tensor, layer: int, *, k: Tensor | None = None,
                    x: Tensor | None = None) -> ScoreFn | None:
+        remapped = self.remap_term(q, k, positions) if self.remap is not None else None  # before q is unscaled
         query_scale = self.query_scale(positions) if self.log_context is not None else None
         if query_scale is not None:
             # ``q`` arrives already scaled by rotate_qk; a term that reads q (relative, cope) must
             # see the trained model's q, or it would be scaled twice (s(n)^2) below.
             q = q / query_scale[..., None].to(q.dtype)
         inner = self.inner.score_term(q, positions, layer, k=k, x=x) if self.inner.has_score_term else None
-        if self.log_context is None and self.window is None:
+        if self.log_context is None and self.window is None and remapped is None:
             return inner
         window = self.window
 
@@ -186,6 +260,8 @@ class ExtendedPosition(PositionMethod):
                 term = inner(b, h, q_idx, kv_idx)
                 if query_scale is not None:  # the whole logit is scaled, the method's bias too
                     term = term * query_scale[q_idx]
+            if remapped is not None:
+                term = term + remapped[b, h, q_idx, kv_idx]
             if window is not None:
                 too_far = positions[q_idx] - positions[kv_idx] >= window
                 term = torch.where(too_far, float("-inf"), term)
@@ -195,7 +271,8 @@ class ExtendedPosition(PositionMethod):
 
     def extra_repr(self) -> str:
         return (f"inner={self.inner.name}, position_scale={self.position_scale}, qk_scale={self.qk_scale}, "
-                f"log_context={self.log_context}, window={self.window}")
+                f"log_context={self.log_context}, window={self.window}, "
+                f"remap_window={None if self.remap is None else self.remap.window}")
 
 
 # ----------------------------------------------------------------------------- rotary rules
@@ -272,6 +349,45 @@ def _window(method: PositionMethod, setting: Setting) -> ExtendedPosition | None
     return None if setting.length <= setting.train_context else ExtendedPosition(method, window=setting.train_context)
 
 
+def _rerope_options(setting: Setting) -> dict[str, Any]:
+    opts = setting.options.get("rerope") or ReRoPEConfig()
+    window = opts.window if opts.window is not None else max(1, setting.train_context // 8)
+    return {"window": window, "leaky": opts.leaky, "log_scaling": opts.log_scaling}
+
+
+def _rerope(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    o = _rerope_options(setting)
+    w, k = o["window"], o["leaky"]
+    log_context = setting.train_context if o["log_scaling"] and setting.length > setting.train_context else None
+    if setting.length <= w and log_context is None:  # no key at distance >= w: the plain model
+        return None
+    if k is None:  # ReRoPE: the query at w, the key at 0 -> relative position w
+        remap = RelativeRemap(w, lambda pos: torch.full_like(pos, w, dtype=torch.float32),
+                              lambda pos: torch.zeros_like(pos, dtype=torch.float32))
+    else:  # Leaky ReRoPE: (n + w (k - 1)) / k - m / k = w + (n - m - w) / k
+        remap = RelativeRemap(w, lambda pos: (pos.double() + w * (k - 1)) / k, lambda pos: pos.double() / k)
+    return ExtendedPosition(method, log_context=log_context, remap=remap if setting.length > w else None)
+
+
+def _self_extend_options(setting: Setting) -> dict[str, Any]:
+    opts = setting.options.get("self_extend") or SelfExtendConfig()
+    window = opts.window if opts.window is not None else max(1, setting.train_context // 4)
+    return {"window": window, "group": opts.group}
+
+
+def _self_extend(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    o = _self_extend_options(setting)
+    W, G = o["window"], o["group"]
+    if setting.length <= W:  # every key within the neighbour window: the plain model
+        return None
+    # LongLM: group_query_position = query_position // G + W - W / G (W / G a true division),
+    # group_key_position = key_position // G. (LongLM drops the shift when no query reaches W;
+    # then no key is grouped either, and this rule is not installed.)
+    return ExtendedPosition(method, remap=RelativeRemap(
+        W, lambda pos: torch.div(pos, G, rounding_mode="floor").double() + (W - W / G),
+        lambda pos: torch.div(pos, G, rounding_mode="floor").double()))
+
+
 EXTENSIONS: dict[str, Extension] = {
     e.name: e
     for e in (
@@ -286,6 +402,10 @@ EXTENSIONS: dict[str, Extension] = {
                   _rope_rule("llama3", low_freq_factor=1.0, high_freq_factor=4.0)),
         Extension("log_scaling", None, "logits x max(1, log(n+1)/log C)", _log_scaling, default_factor=None),
         Extension("window", None, "sliding-window mask of width C", _window, default_factor=None),
+        Extension("rerope", (Rotary,), "ReRoPE: relative positions past w (C/8) clamped to w; logn queries",
+                  _rerope, default_factor=None, resolved_options=_rerope_options),
+        Extension("self_extend", (Rotary,), "Self-Extend: exact within W (C/4), grouped floor(n/G) past it (G=8)",
+                  _self_extend, default_factor=None, resolved_options=_self_extend_options),
     )
 }
 
@@ -354,11 +474,21 @@ def extension_factor(name: str, length: int, train_context: int, factor: float |
     return 1.0 if default == "1" else max(1.0, length / train_context)
 
 
+def extension_options(name: str, train_context: int, length: int,
+                      options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The settings extension ``name`` uses (defaults filled in) for results; None for those
+    without settings."""
+    resolve = EXTENSIONS[name].resolved_options if name != NONE else None
+    return None if resolve is None else resolve(Setting(train_context, length, None, options or {}))
+
+
 @contextlib.contextmanager
-def extended(model: nn.Module, name: str, train_context: int, length: int, factor: float | None = None) -> Iterator[float | None]:
+def extended(model: nn.Module, name: str, train_context: int, length: int, factor: float | None = None,
+             options: Mapping[str, Any] | None = None) -> Iterator[float | None]:
     """Evaluate ``model`` under extension ``name`` inside the block; yields the factor used
-    (None for ``none``). ``model.position`` is restored on exit (the trained method itself is
-    never changed)."""
+    (None for ``none``). ``options``: the settings of the extensions that take some, by name
+    (:meth:`posbench.settings.EvalConfig.extension_options`). ``model.position`` is restored on
+    exit (the trained method itself is never changed)."""
     if name == NONE:
         yield None
         return
@@ -367,7 +497,7 @@ def extended(model: nn.Module, name: str, train_context: int, length: int, facto
     if not ext.applies(original):
         raise PosbenchError(f"extension {name} does not apply to method={original.name}; it applies to {applies_text(name)}")
     used = extension_factor(name, length, train_context, factor)
-    wrapped = ext.install(original, Setting(train_context, length, used))
+    wrapped = ext.install(original, Setting(train_context, length, used, options or {}))
     if wrapped is None:  # the identity at this setting: the plain model, bit for bit
         yield used
         return
@@ -378,5 +508,5 @@ def extended(model: nn.Module, name: str, train_context: int, length: int, facto
         model.position = original
 
 
-__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "applies_text", "extended", "extension_factor",
-           "list_extensions", "method_type", "resolve_extensions"]
+__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "RelativeRemap", "applies_text", "extended", "extension_factor",
+           "extension_options", "list_extensions", "method_type", "resolve_extensions", "transform_apart"]

@@ -40,7 +40,8 @@ from torch import nn
 
 from posbench.errors import PosbenchError
 from posbench.evaluate import score_rows
-from posbench.extension import NONE, extended
+from posbench.extension import NONE, extended, extension_options
+from posbench.results import shown_setting
 from posbench.settings import KINDS, PROBES  # noqa: F401  (names owned by the settings)
 from posbench.stats import bootstrap_interval
 
@@ -231,6 +232,7 @@ def copy_probe(
     extensions: Sequence[str] = ("none",),
     extension_factor: float | None = None,
     log: Callable[[str], Any] = print,
+    extension_settings: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the copy probe on ``model``; one results.json ``probes`` entry per extension.
 
@@ -273,7 +275,8 @@ def copy_probe(
         for kind in kinds:
             for cell in cells:
                 repeat, control = windows.build(cell, kind)
-                with extended(model, extension, train_context, cell.length - 1, extension_factor) as factor:
+                with extended(model, extension, train_context, cell.length - 1, extension_factor,
+                              extension_settings) as factor:
                     with_copy = cell_losses(model, repeat, cell, batch_size, device, autocast_dtype)
                     if (kind, cell.t) not in controls:
                         controls[(kind, cell.t)] = cell_losses(model, control, cell, batch_size, device, autocast_dtype)
@@ -299,6 +302,9 @@ def copy_probe(
                                   distances) for kind in kinds},
             "cells": out_cells,
         }
+        used = extension_options(extension, train_context, longest, extension_settings)
+        if used is not None:  # the extension's own settings (rerope, self_extend)
+            entry["extension_options"] = used
         entries.append(entry)
         label = "" if extension == NONE else f" {extension}"
         shown = ", ".join(f"{k} {v}" for k, v in entry["reach"].items())
@@ -324,12 +330,8 @@ def probe_key(entry: dict[str, Any]) -> tuple[str, str, str]:
 
 # The settings a probe entry was measured under, beyond its key: two entries of one key that
 # differ in any of them measured something else (other windows, cells, precision or checkpoint).
-PROBE_MEASUREMENT_FIELDS = ("num_windows", "span", "seed", "kinds", "distances", "windows_sha256", "precision",
-                            "checkpoint_step")
-
-
-def _shown_setting(value: Any) -> str:
-    return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+PROBE_MEASUREMENT_FIELDS = ("num_windows", "span", "seed", "kinds", "distances", "windows_sha256", "extension_options",
+                            "precision", "checkpoint_step")
 
 
 def probe_variant_label(new: dict[str, Any], reference: dict[str, Any],
@@ -344,7 +346,7 @@ def probe_variant_label(new: dict[str, Any], reference: dict[str, Any],
     if "windows_sha256" in differs and set(differs) & {"num_windows", "span", "seed", "kinds"}:
         differs.remove("windows_sha256")
     return ",".join(f"windows={str(new.get(name))[:12]}" if name == "windows_sha256"
-                    else f"{name}={_shown_setting(new.get(name))}" for name in differs) or None
+                    else f"{name}={shown_setting(new.get(name))}" for name in differs) or None
 
 
 def merge_probe_entries(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]], replace: bool = False,
@@ -410,7 +412,8 @@ def run_probes(model: nn.Module, prepared: Any, evaluation: Any, train_context: 
                       special_ids=[prepared.eot_id], distances=c.distances, span=c.span,
                       num_windows=c.num_windows, kinds=c.kinds, seed=c.seed, split=c.split,
                       batch_size=evaluation.batch_size, device=device, autocast_dtype=autocast_dtype,
-                      extensions=evaluation.extension, extension_factor=evaluation.extension_factor, log=log)
+                      extensions=evaluation.extension, extension_factor=evaluation.extension_factor, log=log,
+                      extension_settings=evaluation.extension_options())
 
 
 __all__ = ["Cell", "DEFAULT_DISTANCES", "KINDS", "PROBES", "PROBE_MEASUREMENT_FIELDS", "ProbeWindows", "REACH_DEFINITION", "REACH_MIN_GAIN", "REGIONS", "cell_for",

@@ -66,8 +66,8 @@ def headline_entries(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # The settings an eval entry was measured under, beyond its key: two entries of one key that
 # differ in any of them were measured on other windows or otherwise, so neither replaces the other.
-MEASUREMENT_FIELDS = ("num_sequences", "sequences_sha256", "window_stride", "extension_factor", "precision",
-                      "checkpoint_step")
+MEASUREMENT_FIELDS = ("num_sequences", "sequences_sha256", "window_stride", "extension_factor", "extension_options",
+                      "precision", "checkpoint_step")
 
 
 def entry_measurement(entry: dict[str, Any], recorded: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -78,6 +78,14 @@ def entry_measurement(entry: dict[str, Any], recorded: dict[str, Any] | None = N
     return values
 
 
+def shown_setting(value: Any) -> str:
+    """A measurement setting in a variant label: lists as ``a/b``, mappings (an extension's
+    settings) as ``key:value/key:value``, anything else as ``str``."""
+    if isinstance(value, dict):
+        return "/".join(f"{k}:{v}" for k, v in value.items())
+    return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
 def variant_label(new: dict[str, Any], reference: dict[str, Any], recorded: dict[str, Any] | None = None) -> str | None:
     """``name=value,...`` for the measurement settings where ``new`` differs from ``reference``
     (None when it differs in none): the key ``posbench eval`` files a non-headline entry under.
@@ -85,11 +93,12 @@ def variant_label(new: dict[str, Any], reference: dict[str, Any], recorded: dict
     and the extension factor counts only between entries of one extension."""
     ours, theirs = entry_measurement(new), entry_measurement(reference, recorded)
     if entry_extension(new) != entry_extension(reference):
-        ours.pop("extension_factor"), theirs.pop("extension_factor")
+        for name in ("extension_factor", "extension_options"):
+            ours.pop(name), theirs.pop(name)
     differs = [name for name in ours if theirs.get(name) is not None and ours[name] != theirs[name]]
     if "num_sequences" in differs and "sequences_sha256" in differs:  # other windows follow from another
         differs.remove("sequences_sha256")  # count: say the count (older entries record no checksum)
-    return ",".join(f"windows={ours[name][:12]}" if name == "sequences_sha256" else f"{name}={ours[name]}"
+    return ",".join(f"windows={ours[name][:12]}" if name == "sequences_sha256" else f"{name}={shown_setting(ours[name])}"
                     for name in differs) or None
 
 

@@ -181,6 +181,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         autocast_dtype=amp_dtype,
         window_stride=evaluation.window_stride, effective_length_eps=evaluation.effective_length_eps,
         extensions=extensions, extension_factor=evaluation.extension_factor,
+        extension_settings=evaluation.extension_options(),
     )
     probes = saved_run_probes(run, prepared, evaluation, device, amp_dtype, log)
     for entry in entries + probes:

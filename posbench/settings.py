@@ -198,8 +198,8 @@ class EvalConfig:
     smoothed loss exceeds its 0-C level (or the windowed curve) by more than this."""
     extension: list[str] = field(default_factory=lambda: ["none"])
     """Context extensions evaluated at every length, each its own results.json entry: none (the
-    plain model), linear, ntk, dynamic_ntk, yarn, llama3, log_scaling, window, or all (every one
-    that applies to the method). See posbench/extension.py."""
+    plain model), linear, ntk, dynamic_ntk, yarn, llama3, log_scaling, window, rerope,
+    self_extend, or all (every one that applies to the method). See posbench/extension.py."""
     extension_factor: float | None = None
     """Scaling factor of the extensions; None = L / C at each evaluated length L (dynamic_ntk:
     transformers' factor, default 1)."""
@@ -208,6 +208,10 @@ class EvalConfig:
     repeated at distance d, scored against a control; docs/probes.md). Empty = none."""
     copy: Any = field(default_factory=dict)
     """Settings of the copy probe (eval.copy.*, see CopyConfig); a CopyConfig once validated."""
+    rerope: Any = field(default_factory=dict)
+    """Settings of the rerope extension (eval.rerope.*, see ReRoPEConfig); a ReRoPEConfig once validated."""
+    self_extend: Any = field(default_factory=dict)
+    """Settings of the self_extend extension (eval.self_extend.*, see SelfExtendConfig)."""
 
     def validate(self) -> None:
         if not self.lengths or any(
@@ -221,7 +225,16 @@ class EvalConfig:
         if self.extension_factor is not None and not self.extension_factor >= 1:
             raise PosbenchError(f"eval.extension_factor must be >= 1 (or null for L / C), got {self.extension_factor}")
         # Extension names are checked by posbench.extension.check_names (it owns them).
+        if not isinstance(self.rerope, ReRoPEConfig):
+            self.rerope = from_section(ReRoPEConfig, "eval.rerope", _section("eval.rerope", self.rerope))
+        if not isinstance(self.self_extend, SelfExtendConfig):
+            self.self_extend = from_section(SelfExtendConfig, "eval.self_extend",
+                                            _section("eval.self_extend", self.self_extend))
         self.validate_probes()
+
+    def extension_options(self) -> dict[str, Any]:
+        """The settings of the extensions that take some, by extension name (validated)."""
+        return {"rerope": self.rerope, "self_extend": self.self_extend}
 
     def validate_probes(self) -> None:
         """Check eval.probes and turn eval.copy into a :class:`CopyConfig`."""
@@ -253,6 +266,46 @@ class EvalConfig:
                 f"headline {train_context}-{2 * train_context} band cannot be measured; add it, e.g. "
                 f"eval.lengths=[{','.join(map(str, sorted(set(self.lengths) | {2 * train_context})))}]"
             )
+
+
+def _section(name: str, values: Any) -> dict[str, Any]:
+    if not isinstance(values, dict):
+        raise PosbenchError(f"{name} must be a mapping of settings, got {values!r}")
+    return values
+
+
+@dataclass
+class ReRoPEConfig:
+    """ReRoPE at evaluation (eval.rerope.*; posbench/extension.py, docs/context-extension.md)."""
+
+    window: int | None = None
+    """w: relative positions below w stay exact, the others become w. None = C / 8 (the
+    reference's 512 at a 4096 context)."""
+    leaky: float | None = None
+    """Leaky ReRoPE's k > 1: past w the relative position is w + (d - w) / k (the reference's
+    leaky patch uses 16). None = ReRoPE (k -> infinity)."""
+    log_scaling: bool = True
+    """Multiply the queries by max(1, log(n + 1) / log C), as the reference patch does; false =
+    the clamped positions alone."""
+
+    def validate(self) -> None:
+        _positive("eval.rerope", window=self.window)
+        if self.leaky is not None and not self.leaky > 1:
+            raise PosbenchError(f"eval.rerope.leaky must be > 1 (or null for ReRoPE), got {self.leaky}")
+
+
+@dataclass
+class SelfExtendConfig:
+    """Self-Extend at evaluation (eval.self_extend.*; posbench/extension.py, docs/context-extension.md)."""
+
+    window: int | None = None
+    """Neighbour window W: relative positions below W stay exact. None = C / 4 (LongLM's
+    default 1024 at a 4096 context)."""
+    group: int = 8
+    """Group size G: past W, positions are floor(n / G) (LongLM's default 8)."""
+
+    def validate(self) -> None:
+        _positive("eval.self_extend", window=self.window, group=self.group)
 
 
 @dataclass

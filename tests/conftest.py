@@ -168,14 +168,15 @@ def dense_term(m, q, pos, layer=0, k=None):
     return dense_score(fn, B, H, T, q.device).double()
 
 
-def assert_causal_and_finite(model, length: int, changed_from: int, vocab: int) -> None:
-    """Tokens changed from ``changed_from`` on leave every earlier logit bitwise the same (and
-    change later ones); all logits finite at ``length``."""
-    a = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
-    b = a.clone()
-    b[:, changed_from:] = (a[:, changed_from:] + 1) % vocab
+def assert_causal_model(model, length: int, changed_at: int, vocab: int = 64) -> torch.Tensor:
+    """Changing input token ``changed_at`` of a (1, length) sequence changes no earlier logit and
+    does change a later one; the logits (1, length, vocab) are finite. Returns them."""
+    idx = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    changed = idx.clone()
+    changed[0, changed_at] = (idx[0, changed_at] + 1) % vocab
     with torch.no_grad():
-        la, lb = model(a), model(b)
-    assert torch.isfinite(la).all()
-    torch.testing.assert_close(la[:, :changed_from], lb[:, :changed_from], atol=0, rtol=0)
-    assert not torch.allclose(la[:, changed_from:], lb[:, changed_from:], atol=1e-4)
+        a, b = model(idx), model(changed)
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a[0, :changed_at], b[0, :changed_at], atol=0, rtol=0)
+    assert not torch.allclose(a[0, changed_at:], b[0, changed_at:])
+    return a

@@ -11,7 +11,7 @@ from torch import nn
 
 from posbench.errors import PosbenchError
 from posbench.evaluate import per_position_loss
-from posbench.extension import EXTENSIONS, ExtendedPosition, extended, extension_factor, resolve_extensions
+from posbench.extension import EXTENSIONS, ExtendedPosition, Setting, extended, extension_factor, resolve_extensions
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary
 from posbench.model import ModelConfig, build_model
@@ -165,10 +165,12 @@ def test_factor_one_leaves_the_loss_bitwise_unchanged(method):
         if not ext.applies(method):
             continue
         # Rules driven by the length (dynamic_ntk, log_scaling, window) are the identity when the
-        # length does not pass the context.
+        # length does not pass the context; those with a window of exact positions of their own
+        # (rerope, self_extend) when it does not pass that window.
         by_length = ext.default_factor != "L/C"
-        short = tokens[:, : C + 1]
-        with extended(model, name, C, C if by_length else 3 * C, 1.0):
+        limit = ((ext.resolved_options and ext.resolved_options(Setting(C, C, None))) or {}).get("window", C)
+        short = tokens[:, : limit + 1]
+        with extended(model, name, C, limit if by_length else 3 * C, 1.0):
             loss = _loss(model, short if by_length else tokens)
         assert torch.equal(loss, _loss(model, short) if by_length else plain), name
         # ... and the default factor past the context does change it.
@@ -222,7 +224,8 @@ def test_log_scaling_multiplies_the_whole_logit_of_late_queries():
 def test_resolve_extensions_refuses_skips_and_expands_all():
     lines: list[str] = []
     assert resolve_extensions(["ntk"], "rope") == ["none", "ntk"]
-    with pytest.raises(PosbenchError, match=r"ntk does not apply to method=alibi; it applies to rotary methods \(rope, p_rope, xpos"):
+    rotary = ", ".join(m for m in list_methods() if issubclass(method_class(m), Rotary))
+    with pytest.raises(PosbenchError, match=rf"ntk does not apply to method=alibi; it applies to rotary methods \({rotary}\)"):
         resolve_extensions(["ntk"], "alibi")
     assert resolve_extensions(["linear", "ntk", "window"], "learned", log=lines.append) == ["none", "linear", "window"]
     assert lines == ["skipping extension ntk does not apply to method=learned; it applies to rotary methods "
@@ -269,17 +272,28 @@ def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
     assert [e["extension_factor"] for e in entries[:4]] == [None, 2.0, 2.0, 2.0]
     assert entries[5]["extension_factor"] == 4.0
     assert len({e["bands"]["32-64"] for e in entries[:4]}) == 4  # every extension changes the loss
+    # The extensions with settings of their own record them (defaults from C = 32 filled in).
+    posbench_cli("eval", f"run={run}", "eval.extension=[rerope,self_extend]", "eval.lengths=[64]",
+                 "eval.rerope.window=8", "eval.self_extend.group=4")
+    added = [e for e in json.loads((run / "results.json").read_text())["eval"]
+             if e["extension"] in ("rerope", "self_extend")]
+    assert [(e["length"], e["extension"], e["extension_options"]) for e in added] == [
+        (64, "rerope", {"window": 8, "leaky": None, "log_scaling": True}),
+        (64, "self_extend", {"window": 8, "group": 4})]
+    assert all(e["extension_factor"] is None and e["bands"]["32-64"] != entries[0]["bands"]["32-64"] for e in added)
 
     # An extension that does not apply is refused in one line, before any training.
     proc = posbench_cli("train", *QUICK_TRAIN, "method=alibi", "eval.extension=[ntk]",
                         f"hydra.run.dir={tmp_path / 'alibi'}", check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].endswith("extension ntk does not apply to method=alibi; it applies to rotary methods (rope, p_rope, xpos)")
+    rotary = ", ".join(m for m in list_methods() if issubclass(method_class(m), Rotary))
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        f"extension ntk does not apply to method=alibi; it applies to rotary methods ({rotary})")
 
     out = tmp_path / "figs"
     posbench_cli("plot", f"runs=[{run}]", f"out={out}")
     table = (out / "extensions.md").read_text()
-    assert "| rope | yarn | 1 |" in table and "| rope | none | 1 |" in table
+    assert "| rope | yarn | 1 |" in table and "| rope | none | 1 |" in table and "| rope | rerope | 1 |" in table
     for name in ("extension_matrix.png", "extension_curves.png", "extensions.csv"):
         assert (out / name).stat().st_size > 0, name
     # The method comparison reads the plain entries only.

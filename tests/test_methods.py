@@ -78,7 +78,9 @@ def test_method_interface_consistent(name):
     pos = torch.arange(T)
     q, k = qk(T=T)
     qr, kr = m.rotate_qk(q, k, pos)
-    assert qr.shape == q.shape and kr.shape == k.shape
+    # q and k keep their shape, or widen their channels alike (pope's polar form: 2D channels)
+    assert qr.shape[:-1] == q.shape[:-1] and kr.shape == qr.shape
+    assert qr.shape[-1] == q.shape[-1] or name == "pope"
     assert qr.dtype == q.dtype and kr.dtype == k.dtype
     fn = m.score_term(qr, pos, 0, k=kr, x=layer_input(q))
     assert (fn is not None) == type(m).has_score_term

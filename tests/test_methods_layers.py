@@ -20,7 +20,7 @@ from posbench.methods.base import ParameterDrift
 from posbench.model import attention_backends, layer_windows
 from posbench.positions import randomize_max_from_config
 from posbench.spec import MethodSpec
-from conftest import assert_causal_and_finite, assert_matches_reference
+from conftest import assert_causal_model, assert_matches_reference
 
 VOCAB = 96
 C = 256
@@ -161,7 +161,7 @@ def test_flex_gradients_match_eager_on_cuda():
 
 def test_causal_and_finite_at_4c():
     net = model("swan", n_layers=4).eval()
-    assert_causal_and_finite(net, length=4 * C, changed_from=700, vocab=VOCAB)
+    assert_causal_model(net, length=4 * C, changed_at=700, vocab=VOCAB)
 
 
 def test_every_parameter_gets_a_gradient_and_is_logged_by_group():

@@ -124,7 +124,10 @@ class PositionMethod(nn.Module):
         return None
 
     def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
-        """Transform q, k of shape (B, H, T, D) given their (T,) or (B, T) positions."""
+        """Transform q, k of shape (B, H, T, D) given their (T,) or (B, T) positions.
+
+        Returns q, k of shape (B, H, T, D'): D' = D, or more channels for both alike (pope's polar
+        form has 2D); the backends scale q.k by 1/sqrt(D') and the values keep D."""
         return q, k
 
     def score_term(
