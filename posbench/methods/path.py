@@ -1,0 +1,133 @@
+"""PaTH: position encoding via accumulated Householder transformations (Yang et al. 2025, "PaTH
+Attention: Position Encoding via Accumulating Householder Transformations", NeurIPS).
+
+Every token t carries a data-dependent Householder-like transform ``H_t = I - beta_t w_t w_t^T``
+per head, and the logit of query i and key j is the bilinear form through every transform
+between them:
+
+    A_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(D)        (A_ii = q_i . k_i / sqrt(D))
+
+As in the reference layer (fla-org/flash-linear-attention, ``fla/layers/path_attn.py``, with its
+defaults): ``w_t`` is a low-rank projection of the attention input x (d_model -> 32 -> H * D, no
+bias), then a causal depthwise short convolution (kernel 3, no bias, SiLU), then L2-normalised
+per head; ``beta_t = 2 sigmoid(W_beta x_t + b)`` per head, in (0, 2), so H_t may have a negative
+eigenvalue. Per layer. No other position signal (the reference layer has no RoPE; its optional
+forget gate, PaTH-FoX, is off by default) and no qk norm (off by default). Projections keep
+PyTorch's default init (the method's modules are outside the model's GPT-2 init).
+
+Computation (fp32, chunked like the reference's naive form, chunks of ``CHUNK`` tokens): inside a
+chunk the transforms are applied one token at a time to the chunk's queries (and to the identity,
+which yields the chunk's whole transform M_c = H_end ... H_start, (D, D)) and keys; across chunks
+queries are carried back through M_c by one (D, D) product per chunk. Cost per layer and head:
+O(T^2 D + T D^2) arithmetic in O(CHUNK + T / CHUNK) sequential steps, and a dense (B, H, T, T)
+logit matrix: eager and sdpa only (FlexAttention's score_mod sees one (i, j) at a time and the
+product of transforms between them is not a gather from per-token tables).
+
+The hook: the backend adds the score term to q.k / sqrt(D); the term is A_ij - q_i.k_j / sqrt(D).
+Past the training context nothing is out of distribution by construction (no position ids).
+"""
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from posbench.methods import register
+from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, needs
+
+CHUNK = 64  # tokens per chunk of the computation (the reference naive form's BT); not a model option
+W_RANK = 32  # the reference's low-rank w projection (multi-head attention)
+CONV_SIZE = 3  # the reference's short convolution on w
+
+
+def householder_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, chunk: int = CHUNK) -> Tensor:
+    """(B, H, T, D) q, k, unit w and (B, H, T) beta -> (B, H, T, T) q_i^T H_i ... H_{j+1} k_j.
+
+    Entries above the diagonal (future keys) are meaningless: the causal mask removes them.
+    """
+    B, H, T, D = q.shape
+    C = min(chunk, T)
+    pad = (-T) % C  # padded tokens come last and have beta = 0 (H = I): they change nothing before them
+    if pad:
+        q, k, w = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, w))
+        beta = F.pad(beta, (0, pad))
+    n = (T + pad) // C
+    q, k, w = (rearrange(t, "b h (n c) d -> b h n c d", c=C) for t in (q, k, w))
+    beta = rearrange(beta, "b h (n c) -> b h n c", c=C)
+
+    # Queries (rows 0..C-1) and the identity (rows C..C+D-1, after every key of the chunk) carried
+    # through the chunk's transforms, latest first: row i gets H_i, H_{i-1}, ..., H_r.
+    u = torch.cat([q, torch.eye(D, dtype=q.dtype, device=q.device).expand(B, H, n, D, D)], dim=-2)
+    offset = torch.cat([torch.arange(C, device=q.device), torch.full((D,), C, device=q.device)])  # (C + D,)
+    columns = [q.new_zeros(())] * C
+    for r in reversed(range(C)):
+        columns[r] = (u[..., :C, :] @ k[..., r, :, None]).squeeze(-1)  # (B, H, n, C): A_ir, i >= r
+        coef = beta[..., r, None] * (u @ w[..., r, :, None]).squeeze(-1) * (offset >= r)  # (B, H, n, C + D)
+        u = u - coef[..., None] * w[..., r, None, :]
+    intra = torch.stack(columns, dim=-1)  # (B, H, n, C, C)
+    q_start, m = u[..., :C, :], u[..., C:, :]  # q_i^T H_i..H_start as rows; M_c = H_end..H_start
+
+    # Keys carried forward to the end of their chunk: k_j -> H_end ... H_{j+1} k_j.
+    k_end = k
+    key_offset = torch.arange(C, device=q.device)
+    for r in range(1, C):
+        coef = beta[..., r, None] * (k_end @ w[..., r, :, None]).squeeze(-1) * (key_offset < r)  # (B, H, n, C)
+        k_end = k_end - coef[..., None] * w[..., r, None, :]
+
+    blocks = q.new_zeros(B, H, n, n, C, C)  # (query chunk, key chunk) blocks
+    idx = torch.arange(n, device=q.device)
+    blocks[:, :, idx, idx] = intra
+    carried = q_start  # chunk a's queries carried back to the end of chunk a - g
+    for g in range(1, n):
+        carried = carried[:, :, 1:]  # query chunks a = g .. n-1
+        blocks[:, :, idx[g:], idx[: n - g]] = carried @ k_end[:, :, : n - g].transpose(-1, -2)
+        if g < n - 1:
+            carried = carried @ m[:, :, : n - g]  # through M_{a-g}
+    out = rearrange(blocks, "b h n m c e -> b h (n c) (m e)")
+    return out[..., :T, :T]
+
+
+@register
+class PaTH(PositionMethod):
+    name = "path"
+    has_score_term = True
+    uses_positions = False
+
+    def __init__(self, dims: ModelDims) -> None:
+        super().__init__(dims)
+        inner = dims.n_heads * dims.head_dim
+        self.w_proj = nn.ModuleList(
+            nn.Sequential(nn.Linear(dims.d_model, W_RANK, bias=False), nn.Linear(W_RANK, inner, bias=False))
+            for _ in range(dims.n_layers)
+        )
+        self.w_conv = nn.ModuleList(
+            nn.Conv1d(inner, inner, CONV_SIZE, groups=inner, bias=False, padding=CONV_SIZE - 1)
+            for _ in range(dims.n_layers)
+        )
+        self.beta_proj = nn.ModuleList(nn.Linear(dims.d_model, dims.n_heads) for _ in range(dims.n_layers))
+
+    def backend_limits(self) -> dict[str, str]:
+        return {"flex": "path's logits pass through a product of per-token transforms, a dense (T, T) computation"}
+
+    def transforms(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """(B, T, d_model) attention input -> unit w (B, H, T, D) and beta (B, H, T), fp32."""
+        T = x.shape[1]
+        w = self.w_proj[layer](x)  # (B, T, H * D)
+        w = F.silu(self.w_conv[layer](w.transpose(1, 2))[..., :T]).transpose(1, 2)  # causal: first T outputs
+        w = F.normalize(rearrange(w.float(), "b t (h d) -> b h t d", h=self.dims.n_heads), dim=-1)
+        beta = 2 * self.beta_proj[layer](x).float().sigmoid()  # (B, T, H), in (0, 2)
+        return w, rearrange(beta, "b t h -> b h t")
+
+    def score_term(self, q: Tensor, positions: Tensor, layer: int, *, k: Tensor | None = None,
+                   x: Tensor | None = None) -> ScoreFn:
+        k, x = needs(k, "the keys k", self.name), needs(x, "the layer input x", self.name)
+        w, beta = self.transforms(x, layer)
+        with torch.autocast(q.device.type, enabled=False):
+            q32, k32 = q.float(), k.float()
+            plain = q32 @ k32.transpose(-1, -2)  # (B, H, T, T): what the backend adds the term to
+            term = (householder_logits(q32, k32, w, beta) - plain) * q.shape[-1] ** -0.5
+
+        def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return term[b, h, q_idx, kv_idx]
+
+        return bias
