@@ -112,6 +112,7 @@ class PaTH(PositionMethod):
     def transforms(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """(B, T, d_model) attention input -> unit w (B, H, T, D) and beta (B, H, T), fp32."""
         T = x.shape[1]
+        x = x.to(self.beta_proj[layer].weight.dtype)
         w = self.w_proj[layer](x)  # (B, T, H * D)
         w = F.silu(self.w_conv[layer](w.transpose(1, 2))[..., :T]).transpose(1, 2)  # causal: first T outputs
         w = F.normalize(rearrange(w.float(), "b t (h d) -> b h t d", h=self.dims.n_heads), dim=-1)
@@ -122,8 +123,9 @@ class PaTH(PositionMethod):
                    x: Tensor | None = None) -> ScoreFn:
         k, x = needs(k, "the keys k", self.name), needs(x, "the layer input x", self.name)
         w, beta = self.transforms(x, layer)
+        dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 at least, fp64 for fp64 checks
         with torch.autocast(q.device.type, enabled=False):
-            q32, k32 = q.float(), k.float()
+            q32, k32, w, beta = q.to(dtype), k.to(dtype), w.to(dtype), beta.to(dtype)
             plain = q32 @ k32.transpose(-1, -2)  # (B, H, T, T): what the backend adds the term to
             term = (householder_logits(q32, k32, w, beta) - plain) * q.shape[-1] ** -0.5
 
