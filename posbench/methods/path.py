@@ -110,13 +110,14 @@ class PaTH(PositionMethod):
         return {"flex": "path's logits pass through a product of per-token transforms, a dense (T, T) computation"}
 
     def transforms(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor]:
-        """(B, T, d_model) attention input -> unit w (B, H, T, D) and beta (B, H, T), fp32."""
+        """(B, T, d_model) attention input -> unit w (B, H, T, D) and beta (B, H, T), fp32 at least."""
         T = x.shape[1]
+        dtype = torch.promote_types(self.beta_proj[layer].weight.dtype, torch.float32)
         x = x.to(self.beta_proj[layer].weight.dtype)
         w = self.w_proj[layer](x)  # (B, T, H * D)
         w = F.silu(self.w_conv[layer](w.transpose(1, 2))[..., :T]).transpose(1, 2)  # causal: first T outputs
-        w = F.normalize(rearrange(w.float(), "b t (h d) -> b h t d", h=self.dims.n_heads), dim=-1)
-        beta = 2 * self.beta_proj[layer](x).float().sigmoid()  # (B, T, H), in (0, 2)
+        w = F.normalize(rearrange(w.to(dtype), "b t (h d) -> b h t d", h=self.dims.n_heads), dim=-1)
+        beta = 2 * self.beta_proj[layer](x).to(dtype).sigmoid()  # (B, T, H), in (0, 2)
         return w, rearrange(beta, "b t h -> b h t")
 
     def score_term(self, q: Tensor, positions: Tensor, layer: int, *, k: Tensor | None = None,

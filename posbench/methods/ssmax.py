@@ -67,9 +67,10 @@ class SSMax(PositionMethod):
         return self.inner.value_term(positions, layer)
 
     def factor(self, length: int, layer: int, device: torch.device) -> Tensor:
-        """(H, T) logit multipliers s_lh log(i + 1), fp32."""
-        log_n = torch.arange(1, length + 1, device=device, dtype=torch.float32).log()  # (T,)
-        return self.s[layer].float()[:, None] * log_n  # (H, T)
+        """(H, T) logit multipliers s_lh log(i + 1), fp32 (fp64 for an fp64 method)."""
+        dtype = torch.promote_types(self.s.dtype, torch.float32)
+        log_n = torch.arange(1, length + 1, device=device, dtype=dtype).log()  # (T,)
+        return self.s[layer].to(dtype)[:, None] * log_n  # (H, T)
 
     def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
         q, k = self.inner.rotate_qk(q, k, positions, layer)  # (B, H, T, D) each
