@@ -15,13 +15,14 @@ eigenvalue. Per layer. No other position signal (the reference layer has no RoPE
 forget gate, PaTH-FoX, is off by default) and no qk norm (off by default). Projections keep
 PyTorch's default init (the method's modules are outside the model's GPT-2 init).
 
-Computation (fp32, chunked like the reference's naive form, chunks of ``CHUNK`` tokens): inside a
-chunk the transforms are applied one token at a time to the chunk's queries (and to the identity,
-which yields the chunk's whole transform M_c = H_end ... H_start, (D, D)) and keys; across chunks
-queries are carried back through M_c by one (D, D) product per chunk. Cost per layer and head:
-O(T^2 D + T D^2) arithmetic in O(CHUNK + T / CHUNK) sequential steps, and a dense (B, H, T, T)
-logit matrix: eager and sdpa only (FlexAttention's score_mod sees one (i, j) at a time and the
-product of transforms between them is not a gather from per-token tables).
+Computation (fp32, chunked as the reference's naive form, chunks of ``CHUNK`` tokens): inside a
+chunk, the UT transform (a unit lower-triangular solve) turns the chunk's transforms into a few
+matrix products, which give the intra-chunk logits, the queries carried back to the chunk start,
+the keys carried to the chunk end and the chunk's whole transform M_c = H_end ... H_start (D, D);
+across chunks, queries are carried back through M_c by one (D, D) product per chunk. Cost per
+layer and head: O(T^2 D + T CHUNK D + T D^2) arithmetic in T / CHUNK sequential steps, and a
+dense (B, H, T, T) logit matrix: eager and sdpa only (FlexAttention's score_mod sees one (i, j)
+at a time, and the product of transforms between them is not a gather from per-token tables).
 
 The hook: the backend adds the score term to q.k / sqrt(D); the term is A_ij - q_i.k_j / sqrt(D).
 Past the training context nothing is out of distribution by construction (no position ids).
@@ -55,24 +56,21 @@ def householder_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, chunk: int
     q, k, w = (rearrange(t, "b h (n c) d -> b h n c d", c=C) for t in (q, k, w))
     beta = rearrange(beta, "b h (n c) -> b h n c", c=C)
 
-    # Queries (rows 0..C-1) and the identity (rows C..C+D-1, after every key of the chunk) carried
-    # through the chunk's transforms, latest first: row i gets H_i, H_{i-1}, ..., H_r.
-    u = torch.cat([q, torch.eye(D, dtype=q.dtype, device=q.device).expand(B, H, n, D, D)], dim=-2)
-    offset = torch.cat([torch.arange(C, device=q.device), torch.full((D,), C, device=q.device)])  # (C + D,)
-    columns = [q.new_zeros(())] * C
-    for r in reversed(range(C)):
-        columns[r] = (u[..., :C, :] @ k[..., r, :, None]).squeeze(-1)  # (B, H, n, C): A_ir, i >= r
-        coef = beta[..., r, None] * (u @ w[..., r, :, None]).squeeze(-1) * (offset >= r)  # (B, H, n, C + D)
-        u = u - coef[..., None] * w[..., r, None, :]
-    intra = torch.stack(columns, dim=-1)  # (B, H, n, C, C)
-    q_start, m = u[..., :C, :], u[..., C:, :]  # q_i^T H_i..H_start as rows; M_c = H_end..H_start
-
-    # Keys carried forward to the end of their chunk: k_j -> H_end ... H_{j+1} k_j.
-    k_end = k
-    key_offset = torch.arange(C, device=q.device)
-    for r in range(1, C):
-        coef = beta[..., r, None] * (k_end @ w[..., r, :, None]).squeeze(-1) * (key_offset < r)  # (B, H, n, C)
-        k_end = k_end - coef[..., None] * w[..., r, None, :]
+    # Inside a chunk (the UT / compact WY form of the reference's naive code): with L the strictly
+    # lower (C, C) matrix beta_t w_t . w_s (s < t) and U = (I + L)^-1, the product of the chunk's
+    # transforms up to t acts through U, so every intra-chunk quantity is a few (C, C) / (C, D) products.
+    wb = w * beta[..., None]  # (B, H, n, C, D): beta_t w_t
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)  # s < t
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    lower = (wb @ w.transpose(-1, -2)) * strict  # (B, H, n, C, C)
+    ut = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    qw = (q @ w.transpose(-1, -2)).tril()  # q_i . w_t for t <= i
+    tk = ut @ ((wb @ k.transpose(-1, -2)) * strict)  # (C, C): beta_s w_s . k_j for s > j, through U
+    intra = q @ k.transpose(-1, -2) - qw @ tk  # (B, H, n, C, C): A_ij for i >= j in the chunk
+    twb = ut @ wb  # (B, H, n, C, D)
+    q_start = q - qw @ twb  # rows q_i^T H_i ... H_start
+    k_end = k - tk.transpose(-1, -2) @ w  # H_end ... H_{j+1} k_j
+    m = torch.eye(D, dtype=q.dtype, device=q.device) - w.transpose(-1, -2) @ twb  # (D, D): rows through M_c
 
     blocks = q.new_zeros(B, H, n, n, C, C)  # (query chunk, key chunk) blocks
     idx = torch.arange(n, device=q.device)
