@@ -59,7 +59,10 @@ def reference_logits(q, k, w, beta):
 @pytest.mark.parametrize("layer", [0, 1])
 def test_path_matches_the_paper_formula_at_4C(layer):
     T = 4 * C
-    m = make_method("path", d_model=H * D, n_heads=H, randomise=False).double()
+    m = make_method("path", d_model=H * D, n_heads=H, randomise=False)
+    with torch.no_grad():  # away from the init (beta near 1): betas spread over (0, 2)
+        for p in m.parameters():
+            p.normal_(std=0.5, generator=torch.Generator().manual_seed(p.numel()))
     q, k = qk(B=2, H=H, T=T, D=D)
     ours = full_scores(m, q, k, torch.arange(T), layer)  # q.k / sqrt(D) + the score term
     with torch.no_grad():
@@ -100,6 +103,16 @@ def test_beta_zero_is_plain_attention_and_beta_two_a_reflection():
     expected = torch.where(parity, reflected, plain)
     torch.testing.assert_close(householder_logits(q, k, w, torch.full((1, 1, T), 2.0, dtype=torch.float64))[..., mask],
                                expected[..., mask])
+
+
+def test_path_init_is_the_reference_models():
+    """fla's _init_weights: Linear and Conv1d weights N(0, 0.02), biases 0."""
+    m = make_method("path", d_model=64, n_heads=4, randomise=False)
+    weights = torch.cat([p.detach().flatten() for n, p in m.named_parameters() if n.endswith("weight")])
+    assert abs(float(weights.std()) - 0.02) < 0.002
+    assert all(float(m.beta_proj[layer].bias.detach().abs().max()) == 0.0 for layer in range(2))
+    with pytest.raises(ValueError, match="init_std > 0"):
+        make_method("path", init_std=0.0)
 
 
 def test_path_model_is_causal_at_4C():

@@ -12,8 +12,9 @@ defaults): ``w_t`` is a low-rank projection of the attention input x (d_model ->
 bias), then a causal depthwise short convolution (kernel 3, no bias, SiLU), then L2-normalised
 per head; ``beta_t = 2 sigmoid(W_beta x_t + b)`` per head, in (0, 2), so H_t may have a negative
 eigenvalue. Per layer. No other position signal (the reference layer has no RoPE; its optional
-forget gate, PaTH-FoX, is off by default) and no qk norm (off by default). Projections keep
-PyTorch's default init (the method's modules are outside the model's GPT-2 init).
+forget gate, PaTH-FoX, is off by default) and no qk norm (off by default). Init as the reference
+model's ``_init_weights``: Linear and Conv1d weights ~ N(0, ``init_std`` = 0.02), biases 0 (so
+beta starts near 1).
 
 Computation (fp32, chunked as the reference's naive form, chunks of ``CHUNK`` tokens): inside a
 chunk, the UT transform (a unit lower-triangular solve) turns the chunk's transforms into a few
@@ -91,8 +92,11 @@ class PaTH(PositionMethod):
     has_score_term = True
     uses_positions = False
 
-    def __init__(self, dims: ModelDims) -> None:
+    def __init__(self, dims: ModelDims, *, init_std: float = 0.02) -> None:
         super().__init__(dims)
+        if not init_std > 0:
+            raise ValueError(f"path needs init_std > 0, got {init_std}")
+        self.init_std = init_std
         inner = dims.n_heads * dims.head_dim
         self.w_proj = nn.ModuleList(
             nn.Sequential(nn.Linear(dims.d_model, W_RANK, bias=False), nn.Linear(W_RANK, inner, bias=False))
@@ -103,6 +107,14 @@ class PaTH(PositionMethod):
             for _ in range(dims.n_layers)
         )
         self.beta_proj = nn.ModuleList(nn.Linear(dims.d_model, dims.n_heads) for _ in range(dims.n_layers))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Conv1d)):
+                nn.init.normal_(module.weight, std=self.init_std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
 
     def backend_limits(self) -> dict[str, str]:
         return {"flex": "path's logits pass through a product of per-token transforms, a dense (T, T) computation"}
@@ -132,3 +144,6 @@ class PaTH(PositionMethod):
             return term[b, h, q_idx, kv_idx]
 
         return bias
+
+    def extra_repr(self) -> str:
+        return f"init_std={self.init_std}"
