@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_matches_reference, causal, full_scores, layer_input, make_method, qk
-from model_checks import future_change_effect, small_model, untrained_parameters
+from model_checks import check_causal_and_trained
 from posbench.attention import resolve_backend
 from posbench.errors import PosbenchError
 from posbench.methods import method_class
@@ -115,16 +115,8 @@ def test_path_init_is_the_reference_models():
         make_method("path", init_std=0.0)
 
 
-def test_path_model_is_causal_at_4C():
-    model = small_model("path").eval()
-    before, after = future_change_effect(model, T=4 * C, t=70)  # inside the second chunk
-    assert before == 0.0 and after > 1e-4
-
-
-def test_every_path_parameter_gets_a_gradient():
-    model = small_model("path")
-    assert not untrained_parameters(model, T=2 * CHUNK + 3)
-    names = {n for n, _ in model.position.named_parameters()}
+def test_path_model_is_causal_at_4C_and_every_parameter_trains():
+    names = check_causal_and_trained("path", None, T=4 * C, t=70)  # t inside the second chunk
     assert {"w_proj.1.0.weight", "w_proj.1.1.weight", "w_conv.1.weight", "beta_proj.1.weight", "beta_proj.1.bias"} <= names
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import posbench
 from conftest import assert_matches_reference, causal, full_scores, make_method, qk
-from model_checks import future_change_effect, ids, small_model, untrained_parameters
+from model_checks import alibi_bias, check_causal_and_trained, ids, small_model
 from posbench.attention import FLEX_AVAILABLE, attend, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.extension import extended, resolve_extensions
@@ -19,12 +19,6 @@ from posbench.methods import method_class, method_options
 
 C = 16  # a nominal training context; the checks run at 4 C
 H, D = 4, 8
-
-
-def alibi_bias(T):
-    slopes = torch.tensor([2.0 ** (-8 * h / H) for h in range(1, H + 1)], dtype=torch.float64)
-    d = torch.arange(T).view(-1, 1) - torch.arange(T).view(1, -1)
-    return -slopes.view(-1, 1, 1) * d.double()  # (H, T, T)
 
 
 def reference_logits(s, q, k, bias):
@@ -45,7 +39,7 @@ def test_ssmax_matches_the_paper_formula_at_4C(base, layer):
     m = make_method("ssmax", d_model=H * D, n_heads=H, base=base)  # s drawn in [0.2, 1.2] per layer, head
     q, k = qk(B=2, H=H, T=T, D=D)
     ours = full_scores(m, q, k, torch.arange(T), layer)
-    bias = alibi_bias(T) if base == "alibi" else torch.zeros(H, T, T, dtype=torch.float64)
+    bias = alibi_bias(T, H) if base == "alibi" else torch.zeros(H, T, T, dtype=torch.float64)
     expected = reference_logits(m.s[layer].detach(), q, k, bias)
     mask = causal(T)
     assert_matches_reference(ours[..., mask], expected[..., mask], method=f"ssmax (base={base})",
@@ -90,12 +84,7 @@ def test_ssmax_defaults_and_traits():
 
 @pytest.mark.parametrize("base", ["rope", "alibi", "kerple"])
 def test_ssmax_model_is_causal_at_4C_and_every_parameter_trains(base):
-    model = small_model("ssmax", {"base": base}).eval()
-    before, after = future_change_effect(model, T=4 * C, t=2 * C + 3)
-    assert before == 0.0 and after > 1e-4
-    model = small_model("ssmax", {"base": base})
-    assert not untrained_parameters(model, T=4 * C)
-    names = set(model.position.position_parameters())
+    names = check_causal_and_trained("ssmax", {"base": base}, T=4 * C, t=2 * C + 3)
     assert "s" in names and (base != "kerple" or {"inner.r1", "inner.r2"} <= names)
 
 
@@ -108,7 +97,7 @@ def test_ssmax_attention_matches_a_softmax_loop(backend):
     v, _ = qk(B=1, H=H, T=T, D=D, seed=1)
     qs, ks = m.rotate_qk(q, k, torch.arange(T))
     out = attend(qs, ks, v, m.score_term(qs, torch.arange(T), 0, k=ks), backend)
-    logits = reference_logits(m.s[0].detach(), q, k, alibi_bias(T)).masked_fill(~causal(T), float("-inf"))
+    logits = reference_logits(m.s[0].detach(), q, k, alibi_bias(T, H)).masked_fill(~causal(T), float("-inf"))
     torch.testing.assert_close(out, logits.softmax(-1) @ v, atol=1e-6, rtol=1e-6)
 
 
