@@ -93,7 +93,7 @@ def test_dape_backends_and_base_errors():
     with pytest.raises(PosbenchError, match="model.attention=flex cannot run method=dape: .*dense"):
         resolve_backend("flex", m, torch.device("cuda"))
     assert resolve_backend("auto", m, torch.device("cuda")) == "sdpa"
-    with pytest.raises(PosbenchError, match="unknown position method 'nosuch'"):
+    with pytest.raises(PosbenchError, match="method.base='nosuch' is not a position method"):
         make_method("dape", base="nosuch")
     with pytest.raises(ValueError, match="not dape itself"):
         make_method("dape", base="dape")

@@ -78,7 +78,7 @@ def test_ssmax_defaults_and_traits():
     assert not cls.has_score_term and make_method("ssmax", base="alibi").has_score_term  # the base's
     with pytest.raises(ValueError, match="not ssmax itself"):
         make_method("ssmax", base="ssmax")
-    with pytest.raises(PosbenchError, match="unknown position method 'nosuch'"):
+    with pytest.raises(PosbenchError, match="method.base='nosuch' is not a position method"):
         make_method("ssmax", base="nosuch")
 
 

@@ -27,7 +27,7 @@ declare ``relative_scores`` because that depends on the base (fire is not relati
 import torch
 from torch import Tensor, nn
 
-from posbench.methods import build_method, register
+from posbench.methods import build_base, register
 from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, ValueTerm, dense_score, needs
 
 
@@ -38,13 +38,11 @@ class DAPE(PositionMethod):
 
     def __init__(self, dims: ModelDims, *, base: str = "alibi", mlp_width: int = 32) -> None:
         super().__init__(dims)
-        if base == self.name:
-            raise ValueError("dape's base must be another method, not dape itself")
         if mlp_width < 1:
             raise ValueError(f"dape needs mlp_width >= 1, got {mlp_width}")
         self.base_name = base
         self.mlp_width = mlp_width
-        self.inner = build_method(base, dims)
+        self.inner = build_base(self.name, base, dims)
         self.uses_positions = self.inner.uses_positions  # type: ignore[misc]
         # The reference's last Linear has a bias: a constant per head on every logit of a row, which
         # the softmax ignores (it only ever gets rounding noise as a gradient), so it is left out.

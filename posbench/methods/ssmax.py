@@ -32,7 +32,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from posbench.methods import build_method, register
+from posbench.methods import build_base, register
 from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, ValueTerm
 
 
@@ -42,13 +42,11 @@ class SSMax(PositionMethod):
 
     def __init__(self, dims: ModelDims, *, base: str = "rope", s_init: float = 0.168) -> None:
         super().__init__(dims)
-        if base == self.name:
-            raise ValueError("ssmax's base must be another method, not ssmax itself")
         if not math.isfinite(s_init):
             raise ValueError(f"ssmax needs a finite s_init, got {s_init}")
         self.base_name = base
         self.s_init = s_init
-        self.inner = build_method(base, dims)
+        self.inner = build_base(self.name, base, dims)
         self.s = nn.Parameter(torch.full((dims.n_layers, dims.n_heads), float(s_init)))  # (L, H)
         self.has_score_term = self.inner.has_score_term  # type: ignore[misc]
         self.uses_positions = self.inner.uses_positions  # type: ignore[misc]
