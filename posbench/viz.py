@@ -54,7 +54,7 @@ from posbench.errors import PosbenchError
 from posbench.extension import EXTENSIONS, Setting, extension_factor
 from posbench.figures import check_formats, colour_of, new_figure, no_data, save
 from posbench.loggers import upload_figures
-from posbench.methods import InputTable, ModelDims, PositionMethod, build_method, method_options
+from posbench.methods import InputTable, ModelDims, PositionMethod, Rotary, build_method
 from posbench.methods.base import ScoreFn, ValueTerm
 from posbench.results import discover_runs
 from posbench.rundir import RunDir
@@ -494,7 +494,8 @@ def _decay_curves(method: PositionMethod, dims: ModelDims, method_name: str, opt
                   s: VizSettings, log: Log = logger.info) -> dict[str, np.ndarray]:
     end = s.span * s.context
     curves = {f"{method_name} (this model)": qk_decay(method, end, dims.head_dim).numpy()}
-    own_base = options.get("base", method_options(method_name).get("base"))
+    # The rotary frequency base, from the capability (a wrapper's `base` option names a method).
+    own_base = method.base if isinstance(method, Rotary) else None
     if own_base is not None:
         curves = {f"{method_name} base={own_base:g} (this model)": curves.popitem()[1]}
         for base in s.bases:
