@@ -55,7 +55,7 @@ from posbench.errors import PosbenchError
 from posbench.extension import EXTENSIONS, Setting, extension_factor
 from posbench.figures import check_formats, colour_of, new_figure, no_data, save
 from posbench.loggers import upload_figures
-from posbench.methods import InputTable, ModelDims, PositionMethod, build_method, method_options
+from posbench.methods import InputTable, ModelDims, PositionMethod, Rotary, build_method
 from posbench.methods.base import Normalizer, ScoreFn, ValueTerm
 from posbench.results import discover_runs
 from posbench.rundir import RunDir
@@ -513,7 +513,8 @@ def _decay_curves(method: PositionMethod, dims: ModelDims, method_name: str, opt
         for layer, curve in enumerate(per_layer):
             if not any(np.allclose(curve, seen) for seen in curves.values()):
                 curves[f"{method_name} layer {layer} (this model)"] = curve
-    own_base = options.get("base", method_options(method_name).get("base"))
+    # The rotary frequency base, from the capability (a wrapper's `base` option names a method).
+    own_base = method.base if isinstance(method, Rotary) else None
     if own_base is not None:
         curves = {f"{method_name} base={own_base:g} (this model)": curves.popitem()[1]}
         for base in s.bases:

@@ -166,6 +166,14 @@ def test_viz_method_cli_needs_no_training(tmp_path):
     assert written == [tmp_path / "alibi" / "score_terms.png"]
 
 
+def test_viz_method_of_a_wrapper_whose_base_option_names_a_method(tmp_path):
+    """ssmax's `base` option is a method name, not a rotary frequency base: the decay curves read
+    the frequency base from the Rotary capability (a wrapper over rope has none of its own)."""
+    written = run_viz(compose_config("viz", ["method=ssmax", "model=tiny", "context=16", "span=2",
+                                             f"out={tmp_path / 'ssmax'}"]), log=lambda _: None)
+    assert written == [tmp_path / "ssmax" / "qk_decay.png"]
+
+
 def test_viz_is_a_listed_command_and_errors_are_one_line(tmp_path):
     from posbench.cli import usage
     from posbench.errors import PosbenchError

@@ -99,6 +99,15 @@ def build_method(name: str, dims: ModelDims, **options: Any) -> PositionMethod:
     return cls(dims, **typed)
 
 
+def build_base(owner: str, base: str, dims: ModelDims) -> PositionMethod:
+    """The base method of a wrapper method (dape, ssmax: ``method.base``), with its defaults."""
+    if base == owner:
+        raise ValueError(f"{owner}'s base must be another method, not {owner} itself")
+    if base not in _REGISTRY:
+        raise PosbenchError(f"method.base={base!r} is not a position method; choose one of: {', '.join(_REGISTRY)}")
+    return build_method(base, dims)
+
+
 def _method_modules() -> list[str]:
     import pkgutil
 
@@ -116,6 +125,7 @@ __all__ = [
     "PositionMethod",
     "ScoreFn",
     "ValueTerm",
+    "build_base",
     "build_method",
     "dense_score",
     "distance",
