@@ -160,7 +160,7 @@ class ComparePlotsCallback(Callback):
             log.info("comparison plots for %d runs written to %s", len(runs), out_dir)
         except Exception as err:  # noqa: BLE001
             log.warning("comparison plots failed (the runs themselves are intact): %s", err)
-        if self.viz:
+        if self.viz and any(not is_task_run(r) for r in runs):  # viz reads text; task runs have none
             try:
                 from posbench.viz import viz_sweep_default  # here, as plot_runs above
 
