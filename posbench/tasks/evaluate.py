@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posbench.evaluate import band_edges
+from posbench.evaluate import band_edges, inference
 from posbench.extension import NONE, extended
 from posbench.results import SCHEMA_VERSION
 from posbench.stats import bootstrap_interval
@@ -37,21 +37,15 @@ def answer_scores(model: nn.Module, batch: Batch, batch_size: int, device: torch
     x, y = batch.inputs_targets()  # (N, L) each, y = IGNORE off the answers
     correct = np.zeros(y.shape, dtype=bool)
     loss = np.zeros(y.shape, dtype=np.float64)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            for start in range(0, x.shape[0], batch_size):
-                xb = x[start:start + batch_size].to(device)
-                yb = y[start:start + batch_size].to(device)
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    h = model.hidden_states(xb)  # (b, L, D)
-                logits = F.linear(h.float(), model.lm_head.weight.float())  # (b, L, V)
-                ce = F.cross_entropy(logits.transpose(1, 2), yb, reduction="none", ignore_index=IGNORE)  # (b, L)
-                correct[start:start + xb.shape[0]] = (logits.argmax(-1) == yb).cpu().numpy()
-                loss[start:start + xb.shape[0]] = ce.double().cpu().numpy()
-    finally:
-        model.train(was_training)
+    with inference(model):
+        for start in range(0, x.shape[0], batch_size):
+            xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                h = model.hidden_states(xb)  # (b, L, D)
+            logits = F.linear(h.float(), model.lm_head.weight.float())  # (b, L, V)
+            ce = F.cross_entropy(logits.transpose(1, 2), yb, reduction="none", ignore_index=IGNORE)  # (b, L)
+            correct[start:start + xb.shape[0]] = (logits.argmax(-1) == yb).cpu().numpy()
+            loss[start:start + xb.shape[0]] = ce.double().cpu().numpy()
     return correct, loss
 
 
