@@ -305,3 +305,26 @@ def test_a_run_refuses_bad_task_settings_before_any_work():
     assert "raise task.num_keys to 128" in refusal("task.num_keys=16", "eval.lengths=[512]")
     assert "drop eval.probes" in refusal("eval.probes=[copy]", "eval.copy.span=8")
     assert "set trainer.max_steps" in refusal("trainer.max_steps=null")
+
+
+def test_a_stopped_task_run_resumes_to_the_uninterrupted_result(tmp_path):
+    from posbench.runs import evaluate_saved_run
+    from posbench.train import TrainingInterrupted
+
+    quick = ["task=flipflop", "method=rope", *QUICK_TASK, "trainer.checkpoint_every_steps=2"]
+    train(compose_config("train", quick), tmp_path / "whole", log=lambda _: None)
+    with pytest.raises(TrainingInterrupted):
+        train(compose_config("train", [*quick, "trainer.stop_after_steps=2"]), tmp_path / "split", log=lambda _: None)
+    train(compose_config("train", quick), tmp_path / "split", log=lambda _: None)
+    whole, split = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "split"))
+    assert split["train"]["resumed_from_step"] == 2
+    assert [e["sequence_accuracy"] for e in split["task"]["entries"]] == [e["sequence_accuracy"] for e in whole["task"]["entries"]]
+    assert split["train"]["final_loss"] == whole["train"]["final_loss"]
+    # a resumed run must keep its task: another p_ignore is refused
+    with pytest.raises(PosbenchError, match="data.task"):
+        train(compose_config("train", [*quick, "task.p_ignore=0.5", "trainer.max_steps=6"]), tmp_path / "split",
+              log=lambda _: None)
+    from omegaconf import OmegaConf
+
+    with pytest.raises(PosbenchError, match="is a task run .task=flipflop.: posbench eval adds entries to text runs only"):
+        evaluate_saved_run(OmegaConf.create({"run": str(tmp_path / "whole"), "device": "cpu"}), log=lambda _: None)
