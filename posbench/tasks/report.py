@@ -46,7 +46,7 @@ def plain_entries(run: RunRecord, metric: str) -> dict[int, dict[str, Any]]:
 
 def interval(runs: Sequence[RunRecord], metric: str, length: int, bucket: str | None = None) -> Interval | None:
     """A group's ``metric`` at ``length`` (overall, or in position ``bucket``) across its runs."""
-    means, sequences = [], None
+    means, sequences, block = [], None, None
     for run in runs:
         entry = plain_entries(run, metric).get(length)
         block = None if entry is None else (entry[metric] if bucket is None else entry["by_position"].get(bucket))
@@ -55,6 +55,8 @@ def interval(runs: Sequence[RunRecord], metric: str, length: int, bucket: str | 
         means.append(float(block["mean"]))
         if bucket is None:
             sequences = entry.get(f"sequence_{metric}")
+    if len(runs) == 1 and bucket is not None:  # one seed: the entry's own bootstrap over sequences
+        return Interval(block["mean"], block["low"], block["high"], block["n"], block["kind"])
     return across_runs(means, sequences if len(runs) == 1 else None)
 
 
@@ -166,7 +168,7 @@ def task_figure(table: TaskTable):
             err = np.array([[v.mean - (v.low if v.low is not None else v.mean) for _, v in points],
                             [(v.high if v.high is not None else v.mean) - v.mean for _, v in points]])
             ax.errorbar(x, y, yerr=err, color=styles[label]["color"], marker=styles[label]["marker"] or "o",
-                        markersize=4, capsize=3, linewidth=1.3, label=f"{label} ({len(runs)} seeds)")
+                        markersize=4, capsize=3, linewidth=1.3, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         if metric == "accuracy":
             ax.axhline(table.chance, color="grey", linestyle=":", linewidth=1, label="chance")
         ax.axvline(table.context, color="black", linestyle=":", linewidth=1)
