@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -97,17 +98,24 @@ def score_rows(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: in
     """:func:`_last_position_losses` over all rows of CPU tensors, ``batch_size`` rows per
     forward, in inference mode; returns float64 ``(rows, K)`` on the CPU."""
     out = torch.empty(targets.shape, dtype=torch.float64)
+    with inference(model):
+        for start in range(0, inputs.shape[0], batch_size):
+            x = inputs[start : start + batch_size].to(device, dtype=torch.long, non_blocking=True)
+            y = targets[start : start + batch_size].to(device, dtype=torch.long, non_blocking=True)
+            out[start : start + x.shape[0]] = _last_position_losses(model, x, y, autocast_dtype, vocab_chunk).double().cpu()
+    return out
+
+
+@contextmanager
+def inference(model: nn.Module) -> Iterator[None]:
+    """Eval mode and inference mode inside the block; the model's train/eval mode is restored after."""
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            for start in range(0, inputs.shape[0], batch_size):
-                x = inputs[start : start + batch_size].to(device, dtype=torch.long, non_blocking=True)
-                y = targets[start : start + batch_size].to(device, dtype=torch.long, non_blocking=True)
-                out[start : start + x.shape[0]] = _last_position_losses(model, x, y, autocast_dtype, vocab_chunk).double().cpu()
+            yield
     finally:
         model.train(was_training)
-    return out
 
 
 def per_sequence_loss(

@@ -280,7 +280,8 @@ def lm_loss(hidden: Tensor, head: nn.Linear, targets: Tensor) -> Tensor:
     for start in range(0, hidden.shape[0], rows):
         logits = head(hidden[start:start + rows]).float()  # (rows, vocab)
         total = total + F.cross_entropy(logits, targets[start:start + rows], reduction="sum")
-    return total / hidden.shape[0]
+    # The mean over scored targets, as F.cross_entropy's: a task's non-answer targets are -100.
+    return total / int((targets != -100).sum())
 
 
 def build_model(cfg: ModelConfig, method: str, method_options: dict[str, Any] | None = None) -> Transformer:

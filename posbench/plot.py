@@ -74,6 +74,7 @@ from posbench.plot_extension import plot_extensions
 from posbench.plot_probes import plot_probes
 from posbench.rundir import RunDir
 from posbench.stats import moving_average, pointwise_t_band
+from posbench.tasks.report import is_task_run, plot_task_runs, task_figure, task_tables
 from posbench.results import (
     RESULTS_FILE,
     RunRecord,
@@ -466,6 +467,14 @@ def plot_runs(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    task_files = plot_task_runs(runs, out, formats, log)  # task runs: accuracy by length (docs/tasks.md)
+    if task_files:
+        task_runs = [r for r in runs if is_task_run(r)]
+        runs = [r for r in runs if not is_task_run(r)]
+        if not runs:
+            log(f"wrote {len(task_files)} files for {len(task_runs)} task runs to {out}")
+            return {"out_dir": str(out), "files": [str(f) for f in task_files], "runs": [str(r.path) for r in task_runs],
+                    "methods": {}, "headline_band": None, "problems": list(problems)}
     extension_files = plot_extensions(runs, out, formats, (splits(runs) or [HEADLINE_SPLIT])[0], log)
     probe_runs = runs  # with their extension entries: a probe entry per extension
     runs = [r.plain() for r in runs]  # the method comparison reads the plain model's entries
@@ -497,6 +506,7 @@ def plot_runs(
     write_text_atomic(out / "paired.csv", paired_csv(comparison.pairs))
     files += [out / "bands.md", out / "bands.csv", out / "paired.md", out / "paired.csv"] + extension_files
     files += plot_probes(probe_runs, out, formats, log)  # copy_gain_*, copy.md/csv when runs have probes
+    files += task_files
     log(f"wrote {len(files)} files for {len(runs)} runs ({len(groups)} groups) to {out}")
     return {
         "out_dir": str(out),
@@ -530,6 +540,8 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
     written = save(train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
     if run is not None:
         written += _position_figures({method: [run]}, out, formats, title_prefix=f"{name}: ")
+        for table in task_tables([run]):  # a task run: its accuracy against length
+            written += save(task_figure(table), out, f"task_{table.name}", formats)
     return written
 
 

@@ -302,7 +302,7 @@ def finished_runs(runs: Iterable[RunRecord], problems: Iterable[tuple[str, str]]
     for run in runs:
         if (why := read_refusal(run.path)) is not None:
             dropped.append((str(run.path), f"refused (its earlier results are kept): {why}"))
-        elif not plain_entries(run.results["eval"]):
+        elif not plain_entries(run.results["eval"]) and not (run.results.get("task") or {}).get("entries"):
             dropped.append((str(run.path), "no final results: its results.json holds no evaluation of the model"))
         else:
             kept.append(run)

@@ -157,7 +157,12 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         )
     evaluation.check_lengths(train_context, need_headline=False)
     evaluation.check_probe(train_context)
-    prepared = run_data(run, log)
+    task = run.config.get("task")
+    if task is not None and run.results is not None:
+        raise PosbenchError(f"{run.path} is a task run (task={task.name}): posbench eval adds entries to text runs only; "
+                            "its test accuracy is measured at the end of training (set eval.lengths / eval.extension "
+                            "when training it, docs/tasks.md)")
+    prepared = run_data(run, log) if task is None else None
     other_path = cfg.get("data", {}).get("path") if cfg.get("data") else None
     if run.results is None and not other_path:
         # Stopped after its final checkpoint (during its final evaluation), or its results.json

@@ -23,6 +23,7 @@ from posbench.methods import ModelDims, PositionMethod, build_method, method_cla
 from posbench.model import ModelConfig
 from posbench.positions import randomize_max_from_config
 from posbench.settings import EvalConfig, TrainerConfig, from_section
+from posbench.tasks import Task, make_task
 
 logger = logging.getLogger("posbench")
 
@@ -96,6 +97,9 @@ class RunSpec:
     data: DataConfig
     seed: int
     run_name: str
+    task: Task | None = None
+    """The synthetic task of a ``task=<name>`` run (docs/tasks.md); None for text runs."""
+    task_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def method(self) -> str:
@@ -148,8 +152,27 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     data = data_config(cfg.data)
     if not saved:
         data.check_path_is_read()
+    task, task_options = task_config(cfg.get("task"), trainer, evaluation)
     return RunSpec(trainer, evaluation, model, method, data, seed,
-                   str(cfg.get("run_name", f"{method.name}-s{seed}")))
+                   str(cfg.get("run_name", f"{method.name}-s{seed}")), task, task_options)
+
+
+def task_config(section: Any, trainer: TrainerConfig, evaluation: EvalConfig) -> tuple[Task | None, dict[str, Any]]:
+    """The ``task`` section of a ``task=<name>`` run, validated with the settings a task run
+    reads differently from a text run (None, {} without one)."""
+    if section is None:
+        return None, {}
+    options = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+    task = make_task(options, trainer.context)
+    for length in evaluation.lengths:
+        task.check_length(length)
+    if evaluation.probes:
+        raise PosbenchError(f"eval.probes={list(evaluation.probes)} read text, and task={task.name} runs have none; "
+                            "drop eval.probes (the task's own accuracy is the measurement)")
+    if trainer.max_steps is None and trainer.max_tokens is None:
+        raise PosbenchError(f"task={task.name} generates fresh data every step, so trainer.epochs means nothing; "
+                            "set trainer.max_steps (e.g. trainer.max_steps=600)")
+    return task, options
 
 
 def check_memory_fits(spec: RunSpec, micro_batch: int, device: torch.device) -> None:

@@ -33,6 +33,7 @@ from posbench.compare import compare_runs, grouping_notes, paired_markdown, summ
 from posbench.config import config_names
 from posbench.io import write_text_atomic
 from posbench.results import RunRecord, discover_runs, finished_runs, headline_entries
+from posbench.tasks.report import is_task_run, tables_markdown, task_tables
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
     runs, problems = finished_runs(runs, problems)  # idempotent: a failed run never enters the tables
     root = Path(sweep_dir)
     lines = [f"# Sweep summary: {root}", "", f"## Finished ({len(runs)})", ""]
-    comparison = compare_runs(runs) if runs else None
+    task_runs = [r for r in runs if is_task_run(r)]  # synthetic tasks: their own tables (docs/tasks.md)
+    text_runs = [r for r in runs if not is_task_run(r)]
+    comparison = compare_runs(text_runs) if text_runs else None
     groups = {} if comparison is None else comparison.groups
     group_of = {str(r.path): label for label, g in groups.items() for r in g.runs}  # each run's row in the tables
     if runs:
@@ -95,7 +98,7 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
             value = next((e["bands"][band] for e in sorted(headline_entries(run.results["eval"]), key=lambda e: e["length"])
                           if band in e["bands"]), None)
             shown = "-" if value is None else f"{value:.4f}"
-            lines.append(f"| `{_relative(run.path, root)}` | {run.method} | {run.seed} | {group_of[str(run.path)]} | "
+            lines.append(f"| `{_relative(run.path, root)}` | {run.method} | {run.seed} | {group_of.get(str(run.path)) or 'task ' + run.results['task']['name']} | "
                          f"{band} | {shown} |")
     else:
         lines.append("None.")
@@ -108,6 +111,9 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
         lines += [summary_markdown(comparison.metrics, comparison.rows, comparison.split, comparison.headline),
                   f"## Paired differences on {comparison.headline}", "", paired_markdown(comparison.headline_pairs),
                   "Comparison figures and all tables: `comparison/` (`bands.md`, `paired.md`, `*.csv`)."]
+    if task_runs:
+        lines += ["", tables_markdown(task_tables(task_runs)).replace("# Synthetic", "## Synthetic", 1).replace("\n## ", "\n### "),
+                  "Figures and tables: `comparison/` (`tasks_<task>.png`, `tasks.md`, `tasks.csv`)."]
     return "\n".join(lines) + "\n"
 
 
@@ -154,7 +160,7 @@ class ComparePlotsCallback(Callback):
             log.info("comparison plots for %d runs written to %s", len(runs), out_dir)
         except Exception as err:  # noqa: BLE001
             log.warning("comparison plots failed (the runs themselves are intact): %s", err)
-        if self.viz:
+        if self.viz and any(not is_task_run(r) for r in runs):  # viz reads text; task runs have none
             try:
                 from posbench.viz import viz_sweep_default  # here, as plot_runs above
 

@@ -11,7 +11,7 @@ from posbench.methods import list_methods, method_options
 from posbench.spec import build_spec
 
 PRIMARY = ["train", "prepare", "eval", "plot", "bench", "viz"]
-TRAIN_GROUPS = ["method", "model", "data", "trainer", "eval", "logger", "experiment"]
+TRAIN_GROUPS = ["method", "model", "data", "trainer", "eval", "logger", "experiment", "task"]
 
 
 def test_every_yaml_file_is_covered_by_these_tests():

@@ -1,0 +1,181 @@
+"""Synthetic tasks with a right answer (issue 25): flip-flop, associative recall (MQAR), copy.
+
+A task is a generator of token sequences plus a mask of the targets that are *answers*; only
+answers are trained on (the other targets get :data:`IGNORE`) and scored (accuracy, and exact
+match per sequence for copy). Sequences are generated on the fly, a pure function of the task's
+options and a seed, so there is nothing to download or cache:
+
+    train batch at step s  <- numpy.random.default_rng([task.seed, TRAIN, run seed, s])
+    validation at length L <- numpy.random.default_rng([task.seed, VALID, L])
+    test at length L       <- numpy.random.default_rng([task.seed, TEST, L])
+
+so train, validation and test never share a random stream, and every method and run seed is
+evaluated on the same test sequences (paired). ``configs/task/<name>.yaml`` selects a task
+(``posbench train task=flipflop method=alibi``); docs/tasks.md describes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from posbench.errors import PosbenchError
+
+IGNORE = -100
+"""Target id of a non-answer position: ``F.cross_entropy``'s default ``ignore_index``."""
+
+TRAIN, VALID, TEST = 0, 1, 2  # the random streams (first-but-one seed word)
+
+_TASKS: dict[str, type["Task"]] = {}
+
+
+def register_task(cls: type["Task"]) -> type["Task"]:
+    """Class decorator: make a task available as ``task=<cls.name>``."""
+    _TASKS[cls.name] = cls
+    return cls
+
+
+def list_tasks() -> list[str]:
+    return list(_TASKS)
+
+
+@dataclass
+class Batch:
+    """Generated sequences: ``tokens`` ``(N, L + 1)`` int64 (inputs ``[:, :-1]``, targets
+    ``[:, 1:]``) and ``answers`` ``(N, L)`` bool: target ``t`` (token ``t + 1``) is scored."""
+
+    tokens: np.ndarray
+    answers: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(N, L + 1)``, as an evaluation window tensor's."""
+        return self.tokens.shape
+
+    def inputs_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` int64 tensors ``(N, L)``; ``y`` holds :data:`IGNORE` off the answers."""
+        tokens = torch.from_numpy(self.tokens.astype(np.int64))
+        y = tokens[:, 1:].clone()
+        y[~torch.from_numpy(self.answers)] = IGNORE
+        return tokens[:, :-1].contiguous(), y
+
+
+class Task:
+    """A synthetic task: its vocabulary, its generator and its metric.
+
+    Subclasses set ``name``, ``vocab`` (token names; ids are their indices), ``metrics``
+    (``accuracy``, plus ``exact_match`` where a sequence is one answer) and implement
+    :meth:`generate`. Options are keyword-only constructor arguments; a bad value raises
+    :class:`PosbenchError` naming the fix. ``context`` is the training length C.
+    """
+
+    name: str = ""
+    vocab: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ("accuracy",)
+
+    def __init__(self, context: int, *, seed: int = 0) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise PosbenchError(f"task.seed must be an integer, got {seed!r}")
+        self.context, self.seed = context, seed
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def generate(self, rng: np.random.Generator, n: int, length: int, split: str) -> Batch:
+        """``n`` sequences of ``length`` inputs (``length + 1`` tokens). ``split`` is ``train``
+        or ``test`` (tasks whose test distribution differs from training read it)."""
+        raise NotImplementedError
+
+    def chance(self) -> float:
+        """Accuracy of a uniform guess among the answer tokens (a reference line)."""
+        raise NotImplementedError
+
+    def sequences(self, stream: int, length: int, n: int) -> Batch:
+        """The fixed held-out sequences of ``stream`` (VALID or TEST) at ``length``."""
+        split = "train" if stream == TRAIN else "test"
+        return self.generate(np.random.default_rng([self.seed, stream, length]), n, length, split)
+
+    def train_batch(self, run_seed: int, step: int, batch_size: int) -> Batch:
+        """The global training batch of ``step`` (length C)."""
+        return self.generate(np.random.default_rng([self.seed, TRAIN, run_seed, step]), batch_size,
+                             self.context, "train")
+
+    def check_length(self, length: int) -> None:
+        """Refuse an evaluation length the task cannot fill (one line)."""
+
+
+def positive_int(task: str, name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PosbenchError(f"task.{name}={value!r} must be an integer >= {minimum} (task={task})")
+    return value
+
+
+def make_task(section: Any, context: int) -> Task:
+    """``task`` config section (``{name, <options>}``) -> the task, validated."""
+    from omegaconf import DictConfig, OmegaConf
+
+    values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
+    name = values.pop("name", None)
+    if name not in _TASKS:
+        raise PosbenchError(f"unknown task {name!r}; choose one of: {', '.join(_TASKS)} (task=<name>)")
+    cls = _TASKS[name]
+    try:
+        return cls(context, **values)
+    except TypeError as err:
+        import inspect
+
+        valid = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "context")]
+        raise PosbenchError(f"task={name}: {err}; valid options: {', '.join(valid)}") from None
+
+
+class TaskBatches:
+    """The training loop's batches for a task: ``get(step)`` -> ``(x, y)`` on the device, a pure
+    function of (task seed, run seed, step) like :class:`posbench.data.loader.TrainBatches`;
+    rank ``r`` of ``world_size`` takes rows ``r::world_size`` of the global batch."""
+
+    def __init__(self, task: Task, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 device: torch.device | None = None) -> None:
+        if batch_size % world_size:
+            raise PosbenchError(f"batch_size={batch_size} is not divisible by world_size={world_size}; "
+                                f"use a multiple of {world_size}")
+        self.task, self.batch_size, self.seed = task, batch_size, seed
+        self.rank, self.world_size, self.device = rank, world_size, device
+
+    steps_per_epoch = 1
+    """Data is generated afresh every step: an "epoch" is one step (trainer.max_steps sets the length)."""
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.task.train_batch(self.seed, step, self.batch_size).inputs_targets()  # (B, C) each
+        x, y = x[self.rank::self.world_size], y[self.rank::self.world_size]
+        if self.device is not None and self.device.type != "cpu":
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, y
+
+
+@dataclass
+class TaskData:
+    """What a task run records and checks on resume in place of a token cache."""
+
+    task: Task
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.task.vocab_size
+
+    def identity(self) -> dict[str, str]:
+        """Resume check: the task and its options (the data is a function of them)."""
+        return {"task": f"{self.task.name}:{sorted(self.options.items())}"}
+
+    def record(self) -> dict[str, Any]:
+        """results.json's ``data`` for a task run."""
+        return {"dir": None, "meta": {"task": self.task.name, "options": self.options,
+                                      "vocab": list(self.task.vocab)}}
+
+
+__all__ = ["Batch", "IGNORE", "Task", "TaskBatches", "TaskData", "TEST", "TRAIN", "VALID", "list_tasks",
+           "make_task", "positive_int", "register_task"]

@@ -1,0 +1,172 @@
+"""Scoring a model on a task: accuracy on the answer tokens only, by length and by position.
+
+A target counts only where the task's answer mask is set: the loss is the mean cross-entropy over
+answers, and a prediction is right when the argmax over the whole vocabulary is the answer. Each
+sequence's accuracy is the fraction of its answers that are right, and a length's accuracy is
+the mean over sequences (every sequence weighs the same), with a percentile bootstrap over the
+sequences (:func:`posbench.stats.bootstrap_interval`); across seeds the comparison tables use a
+t-interval over the runs' means (:func:`posbench.stats.across_runs`), as for the loss bands.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posbench.evaluate import band_edges, inference
+from posbench.extension import NONE, extended
+from posbench.results import SCHEMA_VERSION
+from posbench.stats import bootstrap_interval
+from posbench.tasks.base import IGNORE, TEST, VALID, Batch, Task
+
+ENTRY_SPLIT = "test"
+
+
+def answer_scores(model: nn.Module, batch: Batch, batch_size: int, device: torch.device,
+                  autocast_dtype: torch.dtype | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(correct, loss)``, each ``(N, L)`` numpy arrays over every target of ``batch``: whether
+    the argmax is the target and the cross-entropy (float64); read them only where
+    ``batch.answers`` is set. The body runs under ``autocast_dtype``, the head in float32."""
+    x, y = batch.inputs_targets()  # (N, L) each, y = IGNORE off the answers
+    correct = np.zeros(y.shape, dtype=bool)
+    loss = np.zeros(y.shape, dtype=np.float64)
+    with inference(model):
+        for start in range(0, x.shape[0], batch_size):
+            xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                h = model.hidden_states(xb)  # (b, L, D)
+            logits = F.linear(h.float(), model.lm_head.weight.float())  # (b, L, V)
+            ce = F.cross_entropy(logits.transpose(1, 2), yb, reduction="none", ignore_index=IGNORE)  # (b, L)
+            correct[start:start + xb.shape[0]] = (logits.argmax(-1) == yb).cpu().numpy()
+            loss[start:start + xb.shape[0]] = ce.double().cpu().numpy()
+    return correct, loss
+
+
+def sequence_accuracy(correct: np.ndarray, answers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sequence accuracy over ``answers`` (rows without an answer are dropped) and the kept
+    rows' indices."""
+    counts = answers.sum(axis=1)
+    rows = np.flatnonzero(counts > 0)
+    return (correct & answers)[rows].sum(axis=1) / counts[rows], rows
+
+
+def summary(values: np.ndarray) -> dict[str, Any]:
+    """Mean and bootstrap interval over sequences (:func:`posbench.stats.bootstrap_interval`)."""
+    if values.size == 0:
+        return {"mean": None, "low": None, "high": None, "n": 0, "kind": "none", "half_width": None}
+    return bootstrap_interval(values).to_dict()
+
+
+def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, *, length: int,
+               train_context: int) -> dict[str, Any]:
+    """One results.json ``task.entries`` item (docs/tasks.md, "Results")."""
+    answers = batch.answers
+    per_sequence, rows = sequence_accuracy(correct, answers)
+    entry: dict[str, Any] = {
+        "split": ENTRY_SPLIT, "length": length, "num_sequences": int(answers.shape[0]),
+        "sequences_sha256": hashlib.sha256(np.ascontiguousarray(batch.tokens, dtype=np.int64).tobytes()).hexdigest(),
+        "answers": int(answers.sum()),
+        "loss": float(loss[answers].mean()) if answers.any() else None,
+        "accuracy": summary(per_sequence),
+        "sequence_accuracy": per_sequence.tolist(),
+        "sequence_rows": rows.tolist(),
+        "by_position": {},
+    }
+    for a, b in band_edges(length, train_context):  # answers by target position: 0-C, C-2C, 2C-4C, ...
+        inside = np.zeros_like(answers)
+        inside[:, a:b] = answers[:, a:b]
+        values, _ = sequence_accuracy(correct, inside)
+        entry["by_position"][f"{a}-{b}"] = {**summary(values), "answers": int(inside.sum())}
+    if "exact_match" in task.metrics:
+        exact = (correct | ~answers)[rows].all(axis=1).astype(np.float64)  # every answer of the row right
+        entry["exact_match"] = summary(exact)
+        entry["sequence_exact_match"] = exact.tolist()
+    return entry
+
+
+def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: int, device: torch.device,
+                  autocast_dtype: torch.dtype | None, log: Callable[[str], Any]) -> list[dict[str, Any]]:
+    """Every (eval length, extension) of ``evaluation`` (an :class:`posbench.settings.EvalConfig`)
+    on ``evaluation.num_sequences`` test sequences of the task: the results.json entries."""
+    entries = []
+    for length in sorted(set(evaluation.lengths)):
+        task.check_length(length)
+        batch = task.sequences(TEST, length, evaluation.num_sequences)
+        for extension in [NONE, *(e for e in evaluation.extension if e != NONE)]:
+            started = time.perf_counter()
+            with extended(model, extension, train_context, length, evaluation.extension_factor) as factor:
+                correct, loss = answer_scores(model, batch, evaluation.batch_size, device, autocast_dtype)
+            entry = task_entry(task, batch, correct, loss, length=length, train_context=train_context)
+            entry.update(extension=extension, extension_factor=factor, seconds=time.perf_counter() - started)
+            entries.append(entry)
+            shown = ", ".join(f"{band}: {v['mean']:.3f}" for band, v in entry["by_position"].items() if v["n"])
+            label = "" if extension == NONE else f" {extension}"
+            extra = f", exact match {entry['exact_match']['mean']:.3f}" if "exact_match" in entry else ""
+            log(f"task {task.name} length {length}{label}: accuracy {entry['accuracy']['mean']:.3f}{extra} "
+                f"(by position {shown})")
+    return entries
+
+
+def validation_batches(task: Task, context: int, val_sequences: int, extrapolation_sequences: int) -> dict[str, Batch]:
+    """The in-training validation sets (stream VALID): ``val`` at C and, when asked, ``val_<C>_<2C>``."""
+    sets = {"val": task.sequences(VALID, context, val_sequences)}
+    if extrapolation_sequences:
+        sets[f"val_{context}_{2 * context}"] = task.sequences(VALID, 2 * context, extrapolation_sequences)
+    return sets
+
+
+def validation_metrics(model: nn.Module, task: Task, sets: dict[str, Batch], context: int, batch_size: int,
+                       device: torch.device, autocast_dtype: torch.dtype | None) -> dict[str, float]:
+    """``val_loss`` and ``val_accuracy`` at C (answers only), and ``val_accuracy_<C>_<2C>``
+    (answers at positions C..2C-1 of 2C-long sequences) when that set exists."""
+    row: dict[str, float] = {}
+    for name, batch in sets.items():
+        correct, loss = answer_scores(model, batch, batch_size, device, autocast_dtype)
+        answers = batch.answers.copy()
+        if name != "val":
+            answers[:, :context] = False
+        else:
+            row["val_loss"] = float(loss[answers].mean())
+        row[name.replace("val", "val_accuracy", 1)] = float(correct[answers].mean()) if answers.any() else float("nan")
+    return row
+
+
+def lengths_of(entries: Sequence[dict[str, Any]]) -> list[int]:
+    return sorted({int(e["length"]) for e in entries})
+
+
+def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dtype: torch.dtype | None,
+                 log: Callable[[str], Any]) -> dict[str, Any]:
+    """A task run's final evaluation (``spec``: its :class:`posbench.spec.RunSpec`) as the top
+    part of results.json: ``eval`` stays empty (no text loss curves), ``task`` holds the task,
+    its options and the entries of :func:`evaluate_task`."""
+    task, context = spec.task, spec.trainer.context
+    entries = evaluate_task(model, task, spec.eval, context, device, autocast_dtype, log)
+    return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed, "train_context": context,
+            "eval": [],
+            "task": {"name": task.name, "options": {k: v for k, v in spec.task_options.items() if k != "name"}, "metrics": list(task.metrics),
+                     "chance": task.chance(), "vocab_size": task.vocab_size, "entries": entries},
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def task_summary(results: dict[str, Any]) -> dict[str, float]:
+    """``task/<metric>_<L>`` of the plain model (W&B summary, the run's last log line); empty for text runs."""
+    out: dict[str, float] = {}
+    for entry in (results.get("task") or {}).get("entries", []):
+        if entry.get("extension", NONE) != NONE:
+            continue
+        for metric in ("accuracy", "exact_match"):
+            if metric in entry and entry[metric]["mean"] is not None:
+                out[f"task/{metric}_{entry['length']}"] = float(entry[metric]["mean"])
+    return out
+
+
+__all__ = ["answer_scores", "evaluate_task", "lengths_of", "sequence_accuracy", "task_entry", "task_results",
+           "task_summary", "validation_batches", "validation_metrics"]
