@@ -17,7 +17,7 @@ from conftest import compose_config
 
 from posbench.errors import PosbenchError
 from posbench.model import ModelConfig, build_model, lm_loss
-from posbench.settings import EvalConfig
+from posbench.settings import EvalConfig, from_section
 from posbench.spec import build_spec
 from posbench.tasks import IGNORE, TEST, TRAIN, VALID, TaskBatches, list_tasks, make_task
 from posbench.tasks.evaluate import answer_scores, evaluate_task, task_entry
@@ -235,6 +235,27 @@ def test_a_tiny_model_learns_flipflop_at_c():
     evaluation = EvalConfig(lengths=[C], num_sequences=100, batch_size=50)
     entry = evaluate_task(model, t, evaluation, C, torch.device("cpu"), None, log=lambda _: None)[0]
     assert t.chance() == 0.5 and entry["accuracy"]["low"] > 0.8, entry["accuracy"]
+
+
+def test_task_evaluation_uses_the_extension_settings():
+    """eval.rerope.* / eval.self_extend.* reach a task's evaluation as a text run's, and the
+    entry records them (they were dropped: the extensions ran at their defaults)."""
+    from posbench.extension import extended
+
+    t = task("flipflop")
+    model = tiny_model(t.vocab_size)
+    evaluation = from_section(EvalConfig, "eval", {
+        "lengths": [4 * C], "num_sequences": 4, "batch_size": 4, "extension": ["rerope", "self_extend"],
+        "rerope": {"window": 3, "log_scaling": False}, "self_extend": {"window": 5, "group": 2}})
+    entries = evaluate_task(model, t, evaluation, C, torch.device("cpu"), None, log=lambda _: None)
+    by_extension = {e["extension"]: e for e in entries}
+    assert by_extension["rerope"]["extension_options"] == {"window": 3, "leaky": None, "log_scaling": False}
+    assert by_extension["self_extend"]["extension_options"] == {"window": 5, "group": 2}
+    assert "extension_options" not in by_extension["none"]
+    batch = t.sequences(TEST, 4 * C, 4)
+    with extended(model, "rerope", C, 4 * C, None, evaluation.extension_options()):
+        _, loss = answer_scores(model, batch, 4, torch.device("cpu"))
+    assert by_extension["rerope"]["loss"] == float(loss[batch.answers].mean())
 
 
 # ----------------------------------------------------------------------------- options and the CLI
