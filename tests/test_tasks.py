@@ -188,6 +188,24 @@ def test_training_loss_counts_only_answer_targets(monkeypatch):
     torch.testing.assert_close(lm_loss(hidden, model.lm_head, y), reference)
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 7])
+def test_a_micro_batch_without_answers_adds_zero_loss(monkeypatch, chunk_rows):
+    """Sparse flip-flop (p_ignore 0.98) leaves most short micro-batches without a read: their loss
+    was 0 / 0 = NaN and stopped the run at step 1 with a misleading message."""
+    import posbench.model as model_module
+
+    t = task("flipflop")
+    if chunk_rows is not None:  # the CPU path that makes the logits a chunk of rows at a time
+        monkeypatch.setattr(model_module, "CPU_LOGITS_CHUNK_BYTES", 4 * t.vocab_size * chunk_rows)
+    x, y = TaskBatches(t, 2, seed=0).get(0)
+    model = tiny_model(t.vocab_size)
+    loss = model(x, targets=torch.full_like(y, IGNORE))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert model(x, targets=y).item() > 0  # a micro-batch with answers is unchanged
+
+
 def test_accuracy_and_eval_loss_count_only_answer_targets():
     t = task("copy")
     batch = t.sequences(TEST, 2 * C, 6)
