@@ -167,6 +167,30 @@ class PositionMethod(nn.Module):
         return f"name={self.name}"
 
 
+class OverBase(PositionMethod):
+    """A method built over a base method ``self.inner`` (dape, ssmax: ``method.base``): every hook
+    it does not override is the base's (its table limit, input embedding, value term, per-layer
+    windows and normaliser), so a base's windows (swan) or normaliser (stickbreaking) are kept."""
+
+    inner: PositionMethod
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.inner.max_positions
+
+    def input_embedding(self, positions: Tensor) -> Tensor | None:
+        return self.inner.input_embedding(positions)
+
+    def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
+        return self.inner.value_term(positions, layer)
+
+    def attention_window(self, layer: int) -> int | None:
+        return self.inner.attention_window(layer)
+
+    def normalizer(self, layer: int) -> Normalizer | None:
+        return self.inner.normalizer(layer)
+
+
 # ----------------------------------------------------------------------------- capabilities
 # What a method can do beyond the hooks, declared by subclassing; evaluation-time extensions,
 # figures and tests find methods by these, never by name.
