@@ -101,6 +101,10 @@ class PositionMethod(nn.Module):
     llama_equivalent: ClassVar[bool] = False
     """With its default options, a model using this method computes what transformers'
     ``LlamaForCausalLM`` of the same shape computes: ``posbench bench`` times that peer beside it."""
+    context_option: ClassVar[str | None] = None
+    """An option that follows the run's training context: null (its default) becomes
+    ``trainer.context`` when a run is specified (:func:`posbench.spec.build_spec`), and the run
+    records the value it used (hope's ``train_context``)."""
     options_before: ClassVar[dict[str, Any]] = {}
     """Options added (or whose default changed) after runs were recorded: the value that reproduces
     what a run recorded without the option computed. A saved run is rebuilt with these, not with
