@@ -344,6 +344,9 @@ def test_a_run_refuses_bad_task_settings_before_any_work():
     assert "raise task.num_keys to 128" in refusal("task.num_keys=16", "eval.lengths=[512]")
     assert "drop eval.probes" in refusal("eval.probes=[copy]", "eval.copy.span=8")
     assert "set trainer.max_steps" in refusal("trainer.max_steps=null")
+    # negative seeds passed build_spec and failed in numpy at the first batch, after the run started
+    assert "task.seed must be an integer >= 0, got -1" in refusal("task.seed=-1")
+    assert "a task run's seed must be >= 0" in refusal("seed=-3")
 
 
 def test_a_stopped_task_run_resumes_to_the_uninterrupted_result(tmp_path):

@@ -77,8 +77,8 @@ class Task:
     metrics: tuple[str, ...] = ("accuracy",)
 
     def __init__(self, context: int, *, seed: int = 0) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise PosbenchError(f"task.seed must be an integer, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy seeds are >= 0
+            raise PosbenchError(f"task.seed must be an integer >= 0, got {seed!r}")
         self.context, self.seed = context, seed
 
     @property
