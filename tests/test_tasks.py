@@ -349,6 +349,20 @@ def test_a_run_refuses_bad_task_settings_before_any_work():
     assert "a task run's seed must be >= 0" in refusal("seed=-3")
 
 
+def test_the_training_loss_does_not_depend_on_the_micro_batching(tmp_path):
+    """Micro-batches hold unequal numbers of answers: the mean of their means is not the batch's
+    mean over answers, so trainer.micro_batch_size (a memory setting) changed the objective."""
+    quick = ["task=flipflop", "method=nope", *QUICK_TASK, "trainer.max_steps=1", "trainer.log_every=1",
+             "eval.lengths=[32,64]", "eval.num_sequences=2"]
+    losses = []
+    for micro in (8, 2):
+        train(compose_config("train", [*quick, f"trainer.micro_batch_size={micro}"]), tmp_path / str(micro),
+              log=lambda _: None)
+        rows = [json.loads(line) for line in (tmp_path / str(micro) / "metrics.jsonl").read_text().splitlines()]
+        losses.append(next(r["loss"] for r in rows if "loss" in r))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
+
+
 def test_a_stopped_task_run_resumes_to_the_uninterrupted_result(tmp_path):
     from posbench.runs import evaluate_saved_run
     from posbench.train import TrainingInterrupted

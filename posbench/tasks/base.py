@@ -108,6 +108,13 @@ class Task:
         """Refuse an evaluation length the task cannot fill (one line)."""
 
 
+def answer_share(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """The fraction of the answer targets of ``whole`` (targets, IGNORE off the answers) that lie
+    in ``part`` (a micro-batch of it): weighting each micro-batch's mean loss by it makes the
+    sum the mean over every answer of the batch, whatever the micro-batching (no device sync)."""
+    return part.ne(IGNORE).sum() / whole.ne(IGNORE).sum().clamp(min=1)
+
+
 def positive_int(task: str, name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PosbenchError(f"task.{name}={value!r} must be an integer >= {minimum} (task={task})")
@@ -177,5 +184,5 @@ class TaskData:
                                       "vocab": list(self.task.vocab)}}
 
 
-__all__ = ["Batch", "IGNORE", "Task", "TaskBatches", "TaskData", "TEST", "TRAIN", "VALID", "list_tasks",
+__all__ = ["Batch", "IGNORE", "Task", "TaskBatches", "TaskData", "TEST", "TRAIN", "VALID", "answer_share", "list_tasks",
            "make_task", "positive_int", "register_task"]
