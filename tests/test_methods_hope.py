@@ -105,3 +105,6 @@ def test_a_run_cuts_at_its_own_training_context():
     given = build_spec(compose_config("train", ["method=hope", "method.train_context=512"]))
     assert given.method_options["train_context"] == 512  # an explicit value is kept
     assert build_method("hope", ModelDims(64, 4, 1)).train_context == 256  # outside a run
+    from posbench.spec import MethodSpec
+
+    assert MethodSpec.from_saved({"name": "hope"}).options["train_context"] == 256  # a run saved without it

@@ -37,6 +37,7 @@ class HoPE(RoPE):
     name = "hope"
 
     context_option = "train_context"  # a run fills it with trainer.context
+    options_before = {"train_context": 256}  # its default before it followed trainer.context
 
     def __init__(self, dims: ModelDims, *, base: float = 10000.0, interleaved: bool = False,
                  train_context: int | None = None) -> None:
