@@ -276,6 +276,17 @@ def test_task_evaluation_uses_the_extension_settings():
     assert by_extension["rerope"]["loss"] == float(loss[batch.answers].mean())
 
 
+def test_a_length_without_any_answer_is_recorded_not_a_crash():
+    """Sparse flip-flop on few test sequences can hold no read at all: the log line formatted the
+    accuracy's None mean and the run died after training, its results unwritten."""
+    t = task("flipflop", eval_p_ignore=0.999999)
+    lines = []
+    evaluation = EvalConfig(lengths=[C], num_sequences=2, batch_size=2)
+    entry = evaluate_task(tiny_model(t.vocab_size), t, evaluation, C, torch.device("cpu"), None, log=lines.append)[0]
+    assert entry["answers"] == 0 and entry["accuracy"]["mean"] is None and entry["loss"] is None
+    assert "accuracy - (no answer)" in lines[0]
+
+
 # ----------------------------------------------------------------------------- options and the CLI
 
 

@@ -64,6 +64,11 @@ def summary(values: np.ndarray) -> dict[str, Any]:
     return bootstrap_interval(values).to_dict()
 
 
+def shown_mean(value: dict[str, Any]) -> str:
+    """A summary's mean for a log line; a length whose sequences hold no answer has none."""
+    return "- (no answer)" if value["mean"] is None else f"{value['mean']:.3f}"
+
+
 def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, *, length: int,
                train_context: int) -> dict[str, Any]:
     """One results.json ``task.entries`` item (docs/tasks.md, "Results")."""
@@ -112,8 +117,8 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
             entries.append(entry)
             shown = ", ".join(f"{band}: {v['mean']:.3f}" for band, v in entry["by_position"].items() if v["n"])
             label = "" if extension == NONE else f" {extension}"
-            extra = f", exact match {entry['exact_match']['mean']:.3f}" if "exact_match" in entry else ""
-            log(f"task {task.name} length {length}{label}: accuracy {entry['accuracy']['mean']:.3f}{extra} "
+            extra = f", exact match {shown_mean(entry['exact_match'])}" if "exact_match" in entry else ""
+            log(f"task {task.name} length {length}{label}: accuracy {shown_mean(entry['accuracy'])}{extra} "
                 f"(by position {shown})")
     return entries
 
