@@ -69,7 +69,7 @@ from torch import Tensor, nn
 
 from posbench.errors import PosbenchError
 from posbench.methods import list_methods, method_class
-from posbench.methods.base import InputTable, Normalizer, PositionMethod, Rotary, ScoreFn, ValueTerm, distance
+from posbench.methods.base import InputTable, OverBase, PositionMethod, Rotary, ScoreFn, distance
 from posbench.settings import ReRoPEConfig, SelfExtendConfig
 
 NONE = "none"
@@ -144,7 +144,7 @@ def method_type(method: "str | PositionMethod | type[PositionMethod]") -> type:
     return method if isinstance(method, type) else type(method)
 
 
-class ExtendedPosition(PositionMethod):
+class ExtendedPosition(OverBase):
     """A trained position method with evaluation-time adjustments; every hook delegates to it.
 
     Adjustments (each optional):
@@ -184,21 +184,8 @@ class ExtendedPosition(PositionMethod):
         self.has_score_term = inner.has_score_term or window is not None or remap is not None  # type: ignore[misc]
         self.uses_positions = inner.uses_positions  # type: ignore[misc]
 
-    @property
-    def max_positions(self) -> int | None:
-        return self.inner.max_positions
-
     def backend_limits(self) -> dict[str, str]:
         return self.inner.backend_limits()
-
-    def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
-        return self.inner.value_term(positions, layer)
-
-    def attention_window(self, layer: int) -> int | None:
-        return self.inner.attention_window(layer)
-
-    def normalizer(self, layer: int) -> Normalizer | None:
-        return self.inner.normalizer(layer)
 
     def input_embedding(self, positions: Tensor) -> Tensor | None:
         if self.position_scale is None:

@@ -275,13 +275,15 @@ def lm_loss(hidden: Tensor, head: nn.Linear, targets: Tensor) -> Tensor:
     hidden, targets = hidden.flatten(0, 1), targets.flatten()  # (N, C), (N,)
     rows = logits_chunk_rows(head.out_features, hidden.device) or hidden.shape[0]
     if rows >= hidden.shape[0]:
-        return F.cross_entropy(head(hidden).float(), targets)
+        loss = F.cross_entropy(head(hidden).float(), targets)
+        # No scored target (a task micro-batch without an answer): 0, not cross_entropy's 0 / 0.
+        return torch.where((targets != -100).any(), loss, 0.0)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], rows):
         logits = head(hidden[start:start + rows]).float()  # (rows, vocab)
         total = total + F.cross_entropy(logits, targets[start:start + rows], reduction="sum")
     # The mean over scored targets, as F.cross_entropy's: a task's non-answer targets are -100.
-    return total / int((targets != -100).sum())
+    return total / max(int((targets != -100).sum()), 1)
 
 
 def build_model(cfg: ModelConfig, method: str, method_options: dict[str, Any] | None = None) -> Transformer:

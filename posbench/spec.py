@@ -60,6 +60,13 @@ class MethodSpec:
         today = method_options(self.name)
         return MethodSpec(self.name, {**{k: today[k] for k in method_class(self.name).options_before}, **self.options})
 
+    def in_context(self, context: int) -> "MethodSpec":
+        """This spec with the method's ``context_option`` set to ``context`` where it is null."""
+        option = method_class(self.name).context_option
+        if option is None or self.options.get(option) is not None:
+            return self
+        return MethodSpec(self.name, {**self.options, option: context})
+
     def section(self) -> dict[str, Any]:
         """The ``method`` config section of this spec."""
         return {"name": self.name, **self.options}
@@ -131,7 +138,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     model = model_config(cfg.model)
     method = MethodSpec.from_config(cfg.method)
     method_class(method.name)
-    method = method.recorded()
+    method = method.recorded().in_context(trainer.context)
     # Build the method once on the meta device: shape problems (odd rope head dim, bad options)
     # are reported now rather than after the data is tokenized.
     probe = method.probe(model.dims)
@@ -153,6 +160,8 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     if not saved:
         data.check_path_is_read()
     task, task_options = task_config(cfg.get("task"), trainer, evaluation)
+    if task is not None and seed < 0:  # the run seed is a word of the task's numpy seed
+        raise PosbenchError(f"seed={seed}: a task run's seed must be >= 0 (it seeds the training sequences)")
     return RunSpec(trainer, evaluation, model, method, data, seed,
                    str(cfg.get("run_name", f"{method.name}-s{seed}")), task, task_options)
 

@@ -55,7 +55,7 @@ from posbench.resume import check_resumable, data_identity, load_resume_state, r
 from posbench.rundir import RunDir, RunLocked
 from posbench.runlog import HydraRecord
 from posbench.spec import MethodSpec, build_spec, check_memory_fits
-from posbench.tasks import TaskBatches, TaskData
+from posbench.tasks import TaskBatches, TaskData, answer_share
 from posbench.tasks.evaluate import task_results, task_summary, validation_batches, validation_metrics
 
 logger = logging.getLogger("posbench")
@@ -346,7 +346,10 @@ class Trainer:
 
         def micro_loss(i: int) -> torch.Tensor:
             xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]  # (b, T) each
-            return self.model(xs, self.train_positions(step, i, xs.shape[0]), targets=ys)
+            loss = self.model(xs, self.train_positions(step, i, xs.shape[0]), targets=ys)
+            if self.spec.task and accum > 1:  # micro-batches hold unequal numbers of answers:
+                loss = loss * (accum * answer_share(ys, y))  # the batch's mean over answers, not of means
+            return loss
 
         def no_sync(i: int) -> Any:  # DDP all-reduces on the last micro-batch only
             sync = accum == 1 or i == accum - 1 or not self.dist_info.enabled

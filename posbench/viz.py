@@ -532,7 +532,7 @@ def _decay_curves(method: PositionMethod, dims: ModelDims, method_name: str, opt
 
 def viz_method(cfg: DictConfig, s: VizSettings, log: Log) -> list[Path]:
     """``posbench viz method=<name>``: the method's signals, untrained."""
-    spec = MethodSpec.from_config(cfg.method)
+    spec = MethodSpec.from_config(cfg.method).in_context(s.context)
     name, options = spec.name, spec.options
     model = model_config(cfg.model)
     dims = model.dims
@@ -585,7 +585,7 @@ def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
     s = VizSettings(**{**s.__dict__, "context": context})
     name = method.name
     dims = model.cfg.dims
-    options = MethodSpec.from_saved(run.config.method).options
+    options = MethodSpec.from_saved(run.config.method).in_context(context).options
     suffix = "" if run_dir.name.startswith(name) else f" ({run_dir.name})"
     label = f"{name}, step {run.step}{suffix}"
     # Content-free score terms are drawn from the method at span x C; run-dependent ones come

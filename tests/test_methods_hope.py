@@ -90,3 +90,21 @@ def test_causal_at_four_times_the_context():
 def test_bad_train_context_rejected(bad):
     with pytest.raises(PosbenchError, match="train_context"):
         posbench.create_model("hope", flavour="tiny", vocab_size=64, method_options={"train_context": bad})
+
+
+def test_a_run_cuts_at_its_own_training_context():
+    """hope's train_context was a fixed 256 that nothing tied to trainer.context: a task run
+    (C = 64) silently kept a pair that never turns within its context. A run now fills it."""
+    from conftest import compose_config
+    from posbench.spec import build_spec
+
+    spec = build_spec(compose_config("train", ["task=flipflop", "method=hope"]))
+    assert spec.trainer.context == 64 and spec.method_options["train_context"] == 64
+    text = build_spec(compose_config("train", ["method=hope", "trainer.context=128"]))
+    assert text.method_options["train_context"] == 128
+    given = build_spec(compose_config("train", ["method=hope", "method.train_context=512"]))
+    assert given.method_options["train_context"] == 512  # an explicit value is kept
+    assert build_method("hope", ModelDims(64, 4, 1)).train_context == 256  # outside a run
+    from posbench.spec import MethodSpec
+
+    assert MethodSpec.from_saved({"name": "hope"}).options["train_context"] == 256  # a run saved without it

@@ -143,3 +143,20 @@ def test_ssmax_runs_on_flex_where_its_base_does():
     with pytest.raises(PosbenchError, match="model.attention=flex cannot run method=ssmax"):
         resolve_backend("flex", make_method("ssmax", base="cope"), cuda)
     assert posbench.create_model("ssmax", flavour="tiny", method_options={"base": "cope"}).position.backend_limits()
+
+
+@pytest.mark.parametrize("wrapper", ["ssmax", "dape"])
+def test_wrappers_keep_their_base_windows_and_normaliser(wrapper):
+    """ssmax and dape over swan kept none of swan's windows, and over stickbreaking ran the
+    softmax instead of the stick-breaking normaliser (the hooks were not delegated)."""
+    from posbench.methods import ModelDims, build_method
+    from posbench.model import ModelConfig, build_model, layer_windows
+
+    dims = ModelDims(32, H, 4)
+    wrapped = build_method(wrapper, dims, base="swan")  # the base with its defaults: W = 128
+    assert [wrapped.attention_window(l) for l in range(4)] == [None, 128, 128, 128]
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=4, n_heads=H, attention="eager")
+    assert layer_windows(cfg, build_model(cfg, wrapper, {"base": "swan"}).position) == [None, 128, 128, 128]
+    sb = build_method(wrapper, dims, base="stickbreaking")
+    logits = torch.randn(1, H, 5, 5).masked_fill(~causal(5), float("-inf"))
+    torch.testing.assert_close(sb.normalizer(0)(logits), build_method("stickbreaking", dims).normalizer(0)(logits))

@@ -17,7 +17,7 @@ from conftest import compose_config
 
 from posbench.errors import PosbenchError
 from posbench.model import ModelConfig, build_model, lm_loss
-from posbench.settings import EvalConfig
+from posbench.settings import EvalConfig, from_section
 from posbench.spec import build_spec
 from posbench.tasks import IGNORE, TEST, TRAIN, VALID, TaskBatches, list_tasks, make_task
 from posbench.tasks.evaluate import answer_scores, evaluate_task, task_entry
@@ -188,6 +188,24 @@ def test_training_loss_counts_only_answer_targets(monkeypatch):
     torch.testing.assert_close(lm_loss(hidden, model.lm_head, y), reference)
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 7])
+def test_a_micro_batch_without_answers_adds_zero_loss(monkeypatch, chunk_rows):
+    """Sparse flip-flop (p_ignore 0.98) leaves most short micro-batches without a read: their loss
+    was 0 / 0 = NaN and stopped the run at step 1 with a misleading message."""
+    import posbench.model as model_module
+
+    t = task("flipflop")
+    if chunk_rows is not None:  # the CPU path that makes the logits a chunk of rows at a time
+        monkeypatch.setattr(model_module, "CPU_LOGITS_CHUNK_BYTES", 4 * t.vocab_size * chunk_rows)
+    x, y = TaskBatches(t, 2, seed=0).get(0)
+    model = tiny_model(t.vocab_size)
+    loss = model(x, targets=torch.full_like(y, IGNORE))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert model(x, targets=y).item() > 0  # a micro-batch with answers is unchanged
+
+
 def test_accuracy_and_eval_loss_count_only_answer_targets():
     t = task("copy")
     batch = t.sequences(TEST, 2 * C, 6)
@@ -235,6 +253,38 @@ def test_a_tiny_model_learns_flipflop_at_c():
     evaluation = EvalConfig(lengths=[C], num_sequences=100, batch_size=50)
     entry = evaluate_task(model, t, evaluation, C, torch.device("cpu"), None, log=lambda _: None)[0]
     assert t.chance() == 0.5 and entry["accuracy"]["low"] > 0.8, entry["accuracy"]
+
+
+def test_task_evaluation_uses_the_extension_settings():
+    """eval.rerope.* / eval.self_extend.* reach a task's evaluation as a text run's, and the
+    entry records them (they were dropped: the extensions ran at their defaults)."""
+    from posbench.extension import extended
+
+    t = task("flipflop")
+    model = tiny_model(t.vocab_size)
+    evaluation = from_section(EvalConfig, "eval", {
+        "lengths": [4 * C], "num_sequences": 4, "batch_size": 4, "extension": ["rerope", "self_extend"],
+        "rerope": {"window": 3, "log_scaling": False}, "self_extend": {"window": 5, "group": 2}})
+    entries = evaluate_task(model, t, evaluation, C, torch.device("cpu"), None, log=lambda _: None)
+    by_extension = {e["extension"]: e for e in entries}
+    assert by_extension["rerope"]["extension_options"] == {"window": 3, "leaky": None, "log_scaling": False}
+    assert by_extension["self_extend"]["extension_options"] == {"window": 5, "group": 2}
+    assert "extension_options" not in by_extension["none"]
+    batch = t.sequences(TEST, 4 * C, 4)
+    with extended(model, "rerope", C, 4 * C, None, evaluation.extension_options()):
+        _, loss = answer_scores(model, batch, 4, torch.device("cpu"))
+    assert by_extension["rerope"]["loss"] == float(loss[batch.answers].mean())
+
+
+def test_a_length_without_any_answer_is_recorded_not_a_crash():
+    """Sparse flip-flop on few test sequences can hold no read at all: the log line formatted the
+    accuracy's None mean and the run died after training, its results unwritten."""
+    t = task("flipflop", eval_p_ignore=0.999999)
+    lines = []
+    evaluation = EvalConfig(lengths=[C], num_sequences=2, batch_size=2)
+    entry = evaluate_task(tiny_model(t.vocab_size), t, evaluation, C, torch.device("cpu"), None, log=lines.append)[0]
+    assert entry["answers"] == 0 and entry["accuracy"]["mean"] is None and entry["loss"] is None
+    assert "accuracy - (no answer)" in lines[0]
 
 
 # ----------------------------------------------------------------------------- options and the CLI
@@ -305,6 +355,23 @@ def test_a_run_refuses_bad_task_settings_before_any_work():
     assert "raise task.num_keys to 128" in refusal("task.num_keys=16", "eval.lengths=[512]")
     assert "drop eval.probes" in refusal("eval.probes=[copy]", "eval.copy.span=8")
     assert "set trainer.max_steps" in refusal("trainer.max_steps=null")
+    # negative seeds passed build_spec and failed in numpy at the first batch, after the run started
+    assert "task.seed must be an integer >= 0, got -1" in refusal("task.seed=-1")
+    assert "a task run's seed must be >= 0" in refusal("seed=-3")
+
+
+def test_the_training_loss_does_not_depend_on_the_micro_batching(tmp_path):
+    """Micro-batches hold unequal numbers of answers: the mean of their means is not the batch's
+    mean over answers, so trainer.micro_batch_size (a memory setting) changed the objective."""
+    quick = ["task=flipflop", "method=nope", *QUICK_TASK, "trainer.max_steps=1", "trainer.log_every=1",
+             "eval.lengths=[32,64]", "eval.num_sequences=2"]
+    losses = []
+    for micro in (8, 2):
+        train(compose_config("train", [*quick, f"trainer.micro_batch_size={micro}"]), tmp_path / str(micro),
+              log=lambda _: None)
+        rows = [json.loads(line) for line in (tmp_path / str(micro) / "metrics.jsonl").read_text().splitlines()]
+        losses.append(next(r["loss"] for r in rows if "loss" in r))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
 
 
 def test_a_stopped_task_run_resumes_to_the_uninterrupted_result(tmp_path):

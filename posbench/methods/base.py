@@ -101,6 +101,10 @@ class PositionMethod(nn.Module):
     llama_equivalent: ClassVar[bool] = False
     """With its default options, a model using this method computes what transformers'
     ``LlamaForCausalLM`` of the same shape computes: ``posbench bench`` times that peer beside it."""
+    context_option: ClassVar[str | None] = None
+    """An option that follows the run's training context: null (its default) becomes
+    ``trainer.context`` when a run is specified (:func:`posbench.spec.build_spec`), and the run
+    records the value it used (hope's ``train_context``)."""
     options_before: ClassVar[dict[str, Any]] = {}
     """Options added (or whose default changed) after runs were recorded: the value that reproduces
     what a run recorded without the option computed. A saved run is rebuilt with these, not with
@@ -165,6 +169,30 @@ class PositionMethod(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name}"
+
+
+class OverBase(PositionMethod):
+    """A method built over a base method ``self.inner`` (dape, ssmax: ``method.base``): every hook
+    it does not override is the base's (its table limit, input embedding, value term, per-layer
+    windows and normaliser), so a base's windows (swan) or normaliser (stickbreaking) are kept."""
+
+    inner: PositionMethod
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.inner.max_positions
+
+    def input_embedding(self, positions: Tensor) -> Tensor | None:
+        return self.inner.input_embedding(positions)
+
+    def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
+        return self.inner.value_term(positions, layer)
+
+    def attention_window(self, layer: int) -> int | None:
+        return self.inner.attention_window(layer)
+
+    def normalizer(self, layer: int) -> Normalizer | None:
+        return self.inner.normalizer(layer)
 
 
 # ----------------------------------------------------------------------------- capabilities

@@ -16,7 +16,8 @@ One departure: the reference's last Linear has a bias, a per-head constant on ev
 row, which the softmax cannot see (its gradient is exactly 0); posbench leaves it out.
 
 The base is a method option, built through the registry (``method=dape method.base=kerple``)
-with its own default options; every other hook (rotation, input embedding, value term) is the
+with its own default options; every other hook (rotation, input embedding, value term, per-layer
+windows, normaliser) is the
 base's. A base without a score term contributes B = 0 (the MLP then sees the logits alone, like
 the reference's ``rope_dapev1``). The MLP mixes heads, so the term needs the dense (B, H, T, T)
 logits: eager and sdpa, not FlexAttention. Position ids reach it only through the base's bias, so
@@ -28,11 +29,11 @@ import torch
 from torch import Tensor, nn
 
 from posbench.methods import build_base, register
-from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, ValueTerm, dense_score, needs
+from posbench.methods.base import ModelDims, OverBase, ScoreFn, dense_score, needs
 
 
 @register
-class DAPE(PositionMethod):
+class DAPE(OverBase):
     name = "dape"
     has_score_term = True
 
@@ -52,21 +53,11 @@ class DAPE(PositionMethod):
             for _ in range(dims.n_layers)
         )
 
-    @property
-    def max_positions(self) -> int | None:
-        return self.inner.max_positions
-
     def backend_limits(self) -> dict[str, str]:
         return {"flex": "dape's MLP mixes the dense (T, T) logits of every head", **self.inner.backend_limits()}
 
-    def input_embedding(self, positions: Tensor) -> Tensor | None:
-        return self.inner.input_embedding(positions)
-
     def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
         return self.inner.rotate_qk(q, k, positions, layer)
-
-    def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
-        return self.inner.value_term(positions, layer)
 
     def adaptive_term(self, q: Tensor, k: Tensor, static: Tensor, layer: int) -> Tensor:
         """(B, H, T, D) q, k and the base's (B|1, H, T, T) bias -> B + MLP([A, B]), (B, H, T, T), fp32

@@ -28,15 +28,22 @@ from posbench.methods import register
 from posbench.methods.base import ModelDims
 from posbench.methods.rope import RoPE
 
+DEFAULT_CONTEXT = 256  # trainer.context's default, for a hope built outside a run
+
 
 @register
 class HoPE(RoPE):
     llama_equivalent = False
     name = "hope"
 
+    context_option = "train_context"  # a run fills it with trainer.context
+    options_before = {"train_context": 256}  # its default before it followed trainer.context
+
     def __init__(self, dims: ModelDims, *, base: float = 10000.0, interleaved: bool = False,
-                 train_context: int = 256) -> None:
+                 train_context: int | None = None) -> None:
         super().__init__(dims, base=base, interleaved=interleaved)
+        if train_context is None:  # outside a run (create_model): posbench's default context
+            train_context = DEFAULT_CONTEXT
         if isinstance(train_context, bool) or not isinstance(train_context, int) or train_context < 1:
             raise ValueError(f"hope needs a positive integer train_context, got {train_context!r}")
         self.train_context = train_context

@@ -12,8 +12,9 @@ An entry is a string, ``<method>`` or ``<method>@<window>``, or a mapping
 Entries with the same method and options share one sub-method (its parameters, e.g. t5's table
 or relative's per-layer tables, are built for the layers that use it and indexed by their rank
 among them); the window is per entry. Every hook of a layer delegates to its sub-method, so
-score terms, value terms, normalisers (stick-breaking) and the sub-method's own backend limits
-apply layer by layer; the window is the method's :meth:`attention_window`, which the model
+score terms, value terms and normalisers (stick-breaking) apply layer by layer; backend limits
+are the union of the sub-methods' and hold for every layer (``[rope, relative]`` runs eager
+throughout); the window is the method's :meth:`attention_window`, which the model
 intersects with ``model.attention_window``. Methods that add to the input embedding (learned,
 sinusoidal) act before the first layer, not per layer, and are refused in a pattern.
 Learned position parameters are logged as ``<group>.<name>``, the group being the sub-method's

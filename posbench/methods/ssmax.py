@@ -11,7 +11,8 @@ more than the paper's n = min(i + 1, W) would past W. The first query (n = 1) ge
 sees one key, so its attention is the same for any factor.
 
 It wraps a base method (``method=ssmax method.base=alibi``; default rope), built through the
-registry with its own default options: the base's rotation, input embedding and value term are
+registry with its own default options: the base's rotation, input embedding, value term, per-layer
+windows and normaliser are
 used as they are, then q is multiplied by the factor (which scales q.k in every backend, fused
 SDPA and FlexAttention included) and the base's score term, if any, is multiplied by it too
 (evaluated on the unscaled q, so a term that reads q is scaled once, not twice).
@@ -33,11 +34,11 @@ import torch
 from torch import Tensor, nn
 
 from posbench.methods import build_base, register
-from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, ValueTerm
+from posbench.methods.base import ModelDims, OverBase, ScoreFn
 
 
 @register
-class SSMax(PositionMethod):
+class SSMax(OverBase):
     name = "ssmax"
 
     def __init__(self, dims: ModelDims, *, base: str = "rope", s_init: float = 0.168) -> None:
@@ -51,18 +52,8 @@ class SSMax(PositionMethod):
         self.has_score_term = self.inner.has_score_term  # type: ignore[misc]
         self.uses_positions = self.inner.uses_positions  # type: ignore[misc]
 
-    @property
-    def max_positions(self) -> int | None:
-        return self.inner.max_positions
-
     def backend_limits(self) -> dict[str, str]:
         return self.inner.backend_limits()
-
-    def input_embedding(self, positions: Tensor) -> Tensor | None:
-        return self.inner.input_embedding(positions)
-
-    def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
-        return self.inner.value_term(positions, layer)
 
     def factor(self, length: int, layer: int, device: torch.device) -> Tensor:
         """(H, T) logit multipliers s_lh log(i + 1), fp32 (fp64 for an fp64 method)."""

@@ -5,8 +5,8 @@ evaluation (:mod:`posbench.tasks.evaluate`) and comparison tables and figures
 
 from posbench.tasks import generators  # noqa: F401  (registers the built-in tasks)
 from posbench.tasks.base import (
-    IGNORE, TEST, TRAIN, VALID, Batch, Task, TaskBatches, TaskData, list_tasks, make_task, register_task,
+    IGNORE, TEST, TRAIN, VALID, Batch, Task, TaskBatches, TaskData, answer_share, list_tasks, make_task, register_task,
 )
 
-__all__ = ["Batch", "IGNORE", "TEST", "TRAIN", "Task", "TaskBatches", "TaskData", "VALID", "list_tasks",
+__all__ = ["Batch", "IGNORE", "TEST", "TRAIN", "Task", "TaskBatches", "TaskData", "VALID", "answer_share", "list_tasks",
            "make_task", "register_task"]

@@ -77,8 +77,8 @@ class Task:
     metrics: tuple[str, ...] = ("accuracy",)
 
     def __init__(self, context: int, *, seed: int = 0) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise PosbenchError(f"task.seed must be an integer, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy seeds are >= 0
+            raise PosbenchError(f"task.seed must be an integer >= 0, got {seed!r}")
         self.context, self.seed = context, seed
 
     @property
@@ -106,6 +106,13 @@ class Task:
 
     def check_length(self, length: int) -> None:
         """Refuse an evaluation length the task cannot fill (one line)."""
+
+
+def answer_share(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """The fraction of the answer targets of ``whole`` (targets, IGNORE off the answers) that lie
+    in ``part`` (a micro-batch of it): weighting each micro-batch's mean loss by it makes the
+    sum the mean over every answer of the batch, whatever the micro-batching (no device sync)."""
+    return part.ne(IGNORE).sum() / whole.ne(IGNORE).sum().clamp(min=1)
 
 
 def positive_int(task: str, name: str, value: Any, minimum: int = 1) -> int:
@@ -177,5 +184,5 @@ class TaskData:
                                       "vocab": list(self.task.vocab)}}
 
 
-__all__ = ["Batch", "IGNORE", "Task", "TaskBatches", "TaskData", "TEST", "TRAIN", "VALID", "list_tasks",
+__all__ = ["Batch", "IGNORE", "Task", "TaskBatches", "TaskData", "TEST", "TRAIN", "VALID", "answer_share", "list_tasks",
            "make_task", "positive_int", "register_task"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posbench.evaluate import band_edges, inference
-from posbench.extension import NONE, extended
+from posbench.extension import NONE, extended, extension_options
 from posbench.results import SCHEMA_VERSION
 from posbench.stats import bootstrap_interval
 from posbench.tasks.base import IGNORE, TEST, VALID, Batch, Task
@@ -64,6 +64,11 @@ def summary(values: np.ndarray) -> dict[str, Any]:
     return bootstrap_interval(values).to_dict()
 
 
+def shown_mean(value: dict[str, Any]) -> str:
+    """A summary's mean for a log line; a length whose sequences hold no answer has none."""
+    return "- (no answer)" if value["mean"] is None else f"{value['mean']:.3f}"
+
+
 def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, *, length: int,
                train_context: int) -> dict[str, Any]:
     """One results.json ``task.entries`` item (docs/tasks.md, "Results")."""
@@ -101,15 +106,19 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
         batch = task.sequences(TEST, length, evaluation.num_sequences)
         for extension in [NONE, *(e for e in evaluation.extension if e != NONE)]:
             started = time.perf_counter()
-            with extended(model, extension, train_context, length, evaluation.extension_factor) as factor:
+            settings = evaluation.extension_options()  # eval.rerope.*, eval.self_extend.*
+            with extended(model, extension, train_context, length, evaluation.extension_factor, settings) as factor:
                 correct, loss = answer_scores(model, batch, evaluation.batch_size, device, autocast_dtype)
             entry = task_entry(task, batch, correct, loss, length=length, train_context=train_context)
             entry.update(extension=extension, extension_factor=factor, seconds=time.perf_counter() - started)
+            used = extension_options(extension, train_context, length, settings)
+            if used is not None:
+                entry["extension_options"] = used
             entries.append(entry)
             shown = ", ".join(f"{band}: {v['mean']:.3f}" for band, v in entry["by_position"].items() if v["n"])
             label = "" if extension == NONE else f" {extension}"
-            extra = f", exact match {entry['exact_match']['mean']:.3f}" if "exact_match" in entry else ""
-            log(f"task {task.name} length {length}{label}: accuracy {entry['accuracy']['mean']:.3f}{extra} "
+            extra = f", exact match {shown_mean(entry['exact_match'])}" if "exact_match" in entry else ""
+            log(f"task {task.name} length {length}{label}: accuracy {shown_mean(entry['accuracy'])}{extra} "
                 f"(by position {shown})")
     return entries
 
