@@ -7,7 +7,8 @@
 #   bash scripts/gpu_session.sh pack NAME        # the small files of /tmp/sweeps/NAME into $OUT
 #
 # What it needs beside the checkout (both git-ignored, docs/gpu.md says how to make them):
-#   .whl/       hydra-core, omegaconf and antlr4 wheels (pip install --target, no network)
+#   .whl/       hydra-core, omegaconf and antlr4 wheels and posbench's own, built from this checkout
+#               (pip wheel --no-deps . -w .whl), installed with pip install --target, no network
 #   .gpucache/  POSBENCH_CACHE with the packaged sample already tokenized (data/sample-bpe8192-*),
 #               so every machine trains on the same token files (same data checksums)
 # A sweep is stopped with SIGTERM after SECONDS: each job writes a checkpoint and records itself
@@ -18,18 +19,20 @@ if [ ! -d /tmp/site/hydra ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=$PWD:/tmp/site POSBENCH_CACHE=$PWD/.gpucache PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site POSBENCH_CACHE=$PWD/.gpucache PYTHONUNBUFFERED=1
 export WANDB_MODE=disabled MPLBACKEND=Agg OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/sweeps
-posbench() { python3 -c "import sys; sys.argv[0] = 'posbench'; from posbench.cli import main; main()" "$@"; }
+posbench() { python3 -P -c "import sys; sys.argv[0] = 'posbench'; from posbench.cli import main; main()" "$@"; }
 
 case "${1:-}" in
   setup) ;;
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-    timeout "${2:-480}" python3 -m pytest -q -p no:cacheprovider -n 6 -rs \
+    # The CUDA-only tests (those that skip on a CPU machine), one line each as they finish.
+    timeout "${2:-480}" python3 -P -m pytest -p no:cacheprovider -n 4 -v --tb=short -rfs -k \
+      "cuda or flex_gradients or ssmax_flex_matches or pope_flex" \
       tests/test_attention.py tests/test_bench.py tests/test_methods_layers.py \
       tests/test_methods_pope.py tests/test_methods_ssmax.py >"$OUT/tests.log" 2>&1
     echo "tests exit $?"; tail -5 "$OUT/tests.log"
@@ -37,7 +40,7 @@ case "${1:-}" in
   sweep)
     name=$2 seconds=$3; shift 4
     start=$(date +%s)
-    setsid bash -c 'posbench() { python3 -c "import sys; sys.argv[0] = \"posbench\"; from posbench.cli import main; main()" "$@"; }
+    setsid bash -c 'posbench() { python3 -P -c "import sys; sys.argv[0] = \"posbench\"; from posbench.cli import main; main()" "$@"; }
       posbench train -m "$@"' _ "$@" hydra.sweep.dir=/tmp/sweeps/"$name" >>"/tmp/sweeps/$name.log" 2>&1 &
     pid=$!
     while kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - start )) -lt "$seconds" ]; do sleep 5; done

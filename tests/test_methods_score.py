@@ -84,6 +84,34 @@ def test_fire_matches_paper_formula():
                              reference="paper formula f(psi(i-j) / psi(max(L, i)))")
 
 
+def test_fire_keeps_out_of_flex_whose_backward_cannot_train_it():
+    """On an H100 the compiled flex backward failed to lower fire's MLP weights and scalars (each
+    captured tensor must be indexed once): auto runs fire in sdpa on CUDA, flex is refused in one line."""
+    m = make("fire")
+    assert resolve_backend("auto", m, CUDA) == "sdpa" and resolve_backend("auto", m, CPU) == "sdpa"
+    with pytest.raises(PosbenchError, match="model.attention=flex cannot run method=fire: FlexAttention's backward"):
+        resolve_backend("flex", m, CUDA)
+
+
+def test_fox_and_kerple_score_functions_hold_no_tensor_that_flex_saves_and_a_later_layer_mutates():
+    """On an H100 flex's backward failed for kerple (a view of r1 saved by layer 0, then clamped in
+    place by layer 1's projection) and fox (one grad-requiring tensor indexed twice). The score
+    functions now close over copies: the in-place projection leaves what an earlier layer captured
+    at its version, and the gradients are unchanged."""
+    m = make("kerple", d_model=32, n_heads=4, n_layers=2)
+    q, _ = qk(B=1, H=4, T=20, D=8)
+    score0 = m.score_term(q, torch.arange(20), 0)
+    captured = [cell.cell_contents for cell in score0.__closure__ if isinstance(cell.cell_contents, torch.Tensor)]
+    versions = [t._version for t in captured]
+    m.score_term(q, torch.arange(20), 1)  # projects r1, r2 in place again
+    assert [t._version for t in captured] == versions and all(t._base is None for t in captured)
+    fox = make("fox", d_model=32, n_heads=4, n_layers=1)
+    x = layer_input(q, d_model=32)
+    fn = fox.score_term(q, torch.arange(20), 0, x=x)
+    tensors = [cell.cell_contents for cell in fn.__closure__ if isinstance(cell.cell_contents, torch.Tensor)]
+    assert len(tensors) == 2 and tensors[0] is not tensors[1] and torch.equal(tensors[0], tensors[1])
+
+
 # ------------------------------------------------------------------------------------------ cope
 
 

@@ -43,6 +43,12 @@ class FIRE(PositionMethod):
         self.init_L = init_L
         self.eps = eps
 
+    def backend_limits(self) -> dict[str, str]:
+        # Seen on an H100 (torch 2.11): FlexAttention's backward takes gradients only of captured
+        # tensors indexed once by the score function's indices; FIRE reads its MLP weights unit by
+        # unit and its scalars c and L whole, so the compiled backward fails to lower.
+        return {"flex": "FlexAttention's backward cannot give fire's MLP weights and scalars a gradient"}
+
     def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
         hidden, out = self.mlp[0], self.mlp[2]
         w1, b1 = hidden.weight[:, 0], hidden.bias  # (W,)

@@ -48,8 +48,9 @@ class FoX(PositionMethod):
 
     def score_term(self, q: Tensor, positions: Tensor, layer: int, *, x: Tensor | None = None, **_) -> ScoreFn:
         c = self.log_forget_cumsum(needs(x, "the layer input x", self.name), layer)
+        c_key = c.clone()  # FlexAttention's backward cannot index one grad-requiring tensor twice
 
         def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return c[b, h, q_idx] - c[b, h, kv_idx]
+            return c[b, h, q_idx] - c_key[b, h, kv_idx]
 
         return bias

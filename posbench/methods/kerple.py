@@ -59,7 +59,9 @@ class Kerple(PositionMethod):
 
     def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
         self.project_()
-        r1, r2 = self.r1[layer], self.r2[layer]  # (H,)
+        # Copies, not views: the next layer's in-place projection bumps the version of r1 and r2,
+        # which would invalidate a view that FlexAttention saved for its backward.
+        r1, r2 = self.r1[layer].clone(), self.r2[layer].clone()  # (H,)
         power = self.variant == "power"
 
         def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
