@@ -110,6 +110,7 @@ def test_fox_and_kerple_score_functions_hold_no_tensor_that_flex_saves_and_a_lat
     fn = fox.score_term(q, torch.arange(20), 0, x=x)
     tensors = [cell.cell_contents for cell in fn.__closure__ if isinstance(cell.cell_contents, torch.Tensor)]
     assert len(tensors) == 2 and tensors[0] is not tensors[1] and torch.equal(tensors[0], tensors[1])
+    assert all(t.requires_grad for t in tensors)  # a copy, not a detached one: both halves get a gradient
 
 
 # ------------------------------------------------------------------------------------------ cope

@@ -20,7 +20,7 @@ with its own default options; every other hook (rotation, input embedding, value
 windows, normaliser) is the
 base's. A base without a score term contributes B = 0 (the MLP then sees the logits alone, like
 the reference's ``rope_dapev1``). The MLP mixes heads, so the term needs the dense (B, H, T, T)
-logits: eager and sdpa, not FlexAttention. Position ids reach it only through the base's bias, so
+logits, kept in fp32: eager only (flex cannot mix heads; SDPA would round the term to q's dtype). Position ids reach it only through the base's bias, so
 shifting positions changes nothing where the base is relative (alibi, kerple); the class does not
 declare ``relative_scores`` because that depends on the base (fire is not relative).
 """
@@ -54,10 +54,10 @@ class DAPE(OverBase):
         )
 
     def backend_limits(self) -> dict[str, str]:
-        return {"flex": "dape's MLP mixes the dense (T, T) logits of every head",
+        return {**self.inner.backend_limits(),
+                "flex": "dape's MLP mixes the dense (T, T) logits of every head",
                 "sdpa": "SDPA rounds dape's fp32 term to q's dtype (logits 2.6% off at T=520 under bf16); "
-                        "eager keeps it fp32",
-                **self.inner.backend_limits()}
+                        "eager keeps it fp32"}
 
     def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
         return self.inner.rotate_qk(q, k, positions, layer)

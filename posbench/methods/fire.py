@@ -14,7 +14,9 @@ normalisation), but for i > L the same distance maps to a smaller input as i gro
 look progressively "closer" to the MLP at long lengths.
 
 The MLP is written as an explicit sum over its hidden units so that the same score function runs
-on dense index grids and, scalar by scalar, inside FlexAttention's ``score_mod``.
+on dense index grids and, scalar by scalar, inside FlexAttention's ``score_mod``. Training refuses
+flex all the same: its compiled backward cannot give the MLP weights and the scalars c, L a
+gradient (seen on an H100, docs/gpu.md), so ``auto`` runs fire in SDPA on CUDA.
 """
 
 import torch
