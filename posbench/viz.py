@@ -211,7 +211,7 @@ class AttentionRecord:
 def _layer_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, keep_maps: bool,
                      window: int | None = None, value: ValueTerm | None = None,
                      normalize: Normalizer | None = None) -> tuple[Tensor, LayerStats]:
-    """Eager causal attention, one (window, head) at a time, with its statistics. (B, H, T, D).
+    """Eager causal attention, one (window, head) at a time, with its statistics. (B, H, T, D of v).
 
     Same masks (:func:`posbench.attention.causal_mask`, the window baseline included), value
     term and normaliser (softmax, or the method's own) as the eager backend, so the recorded
@@ -220,7 +220,7 @@ def _layer_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, kee
     B, H, T, D = q.shape
     device = q.device
     causal = causal_mask(T, device, window)  # (T, T)
-    out = torch.empty(B, H, T, D, dtype=torch.float32, device=device)
+    out = torch.empty(B, H, T, v.shape[-1], dtype=torch.float32, device=device)  # v's width: pope widens q, k only
     entropy = torch.zeros(H, T, device=device)
     distance = torch.zeros(H, T, device=device)
     score_sum = torch.zeros(H, T, device=device) if score is not None else None
