@@ -40,8 +40,8 @@ case "${1:-}" in
   sweep)
     name=$2 seconds=$3; shift 4
     start=$(date +%s)
-    setsid bash -c 'posbench() { python3 -P -c "import sys; sys.argv[0] = \"posbench\"; from posbench.cli import main; main()" "$@"; }
-      posbench train -m "$@"' _ "$@" hydra.sweep.dir=/tmp/sweeps/"$name" >>"/tmp/sweeps/$name.log" 2>&1 &
+    export -f posbench
+    setsid bash -c 'posbench train -m "$@"' _ "$@" hydra.sweep.dir=/tmp/sweeps/"$name" >>"/tmp/sweeps/$name.log" 2>&1 &
     pid=$!
     while kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - start )) -lt "$seconds" ]; do sleep 5; done
     if kill -0 $pid 2>/dev/null; then
