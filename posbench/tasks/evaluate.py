@@ -10,17 +10,16 @@ t-interval over the runs' means (:func:`posbench.stats.across_runs`), as for the
 
 from __future__ import annotations
 
-import hashlib
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posbench.evaluate import band_edges, inference
+from posbench.evaluate import band_edges, inference, sequences_fingerprint
 from posbench.extension import NONE, extended, extension_options
 from posbench.results import SCHEMA_VERSION
 from posbench.stats import bootstrap_interval
@@ -76,7 +75,7 @@ def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, 
     per_sequence, rows = sequence_accuracy(correct, answers)
     entry: dict[str, Any] = {
         "split": ENTRY_SPLIT, "length": length, "num_sequences": int(answers.shape[0]),
-        "sequences_sha256": hashlib.sha256(np.ascontiguousarray(batch.tokens, dtype=np.int64).tobytes()).hexdigest(),
+        "sequences_sha256": sequences_fingerprint(torch.from_numpy(np.asarray(batch.tokens))),
         "answers": int(answers.sum()),
         "loss": float(loss[answers].mean()) if answers.any() else None,
         "accuracy": summary(per_sequence),
@@ -147,10 +146,6 @@ def validation_metrics(model: nn.Module, task: Task, sets: dict[str, Batch], con
     return row
 
 
-def lengths_of(entries: Sequence[dict[str, Any]]) -> list[int]:
-    return sorted({int(e["length"]) for e in entries})
-
-
 def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dtype: torch.dtype | None,
                  log: Callable[[str], Any]) -> dict[str, Any]:
     """A task run's final evaluation (``spec``: its :class:`posbench.spec.RunSpec`) as the top
@@ -177,5 +172,5 @@ def task_summary(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-__all__ = ["answer_scores", "evaluate_task", "lengths_of", "sequence_accuracy", "task_entry", "task_results",
+__all__ = ["answer_scores", "evaluate_task", "sequence_accuracy", "task_entry", "task_results",
            "task_summary", "validation_batches", "validation_metrics"]

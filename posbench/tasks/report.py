@@ -20,12 +20,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from posbench.compare import group_runs
+from posbench.extension import NONE
 from posbench.figures import line_styles, new_figure, save
 from posbench.io import write_text_atomic
 from posbench.results import RunRecord
 from posbench.stats import Interval, across_runs
 
-NONE = "none"
 
 
 def is_task_run(run: RunRecord) -> bool:
