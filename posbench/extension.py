@@ -184,9 +184,6 @@ class ExtendedPosition(OverBase):
         self.has_score_term = inner.has_score_term or window is not None or remap is not None  # type: ignore[misc]
         self.uses_positions = inner.uses_positions  # type: ignore[misc]
 
-    def backend_limits(self) -> dict[str, str]:
-        return self.inner.backend_limits()
-
     def input_embedding(self, positions: Tensor) -> Tensor | None:
         if self.position_scale is None:
             return self.inner.input_embedding(positions)

@@ -174,7 +174,8 @@ class PositionMethod(nn.Module):
 class OverBase(PositionMethod):
     """A method built over a base method ``self.inner`` (dape, ssmax: ``method.base``): every hook
     it does not override is the base's (its table limit, input embedding, value term, per-layer
-    windows and normaliser), so a base's windows (swan) or normaliser (stickbreaking) are kept."""
+    windows, normaliser, backend limits and q-k rotation), so a base's windows (swan) or
+    normaliser (stickbreaking) are kept."""
 
     inner: PositionMethod
 
@@ -193,6 +194,12 @@ class OverBase(PositionMethod):
 
     def normalizer(self, layer: int) -> Normalizer | None:
         return self.inner.normalizer(layer)
+
+    def backend_limits(self) -> dict[str, str]:
+        return self.inner.backend_limits()
+
+    def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
+        return self.inner.rotate_qk(q, k, positions, layer)
 
 
 # ----------------------------------------------------------------------------- capabilities

@@ -59,9 +59,6 @@ class DAPE(OverBase):
                 "sdpa": "SDPA rounds dape's fp32 term to q's dtype (logits 2.6% off at T=520 under bf16); "
                         "eager keeps it fp32"}
 
-    def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
-        return self.inner.rotate_qk(q, k, positions, layer)
-
     def adaptive_term(self, q: Tensor, k: Tensor, static: Tensor, layer: int) -> Tensor:
         """(B, H, T, D) q, k and the base's (B|1, H, T, T) bias -> B + MLP([A, B]), (B, H, T, T), fp32
         (a bias of hundreds, alibi's far keys, would lose whole units in bf16)."""

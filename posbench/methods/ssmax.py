@@ -52,9 +52,6 @@ class SSMax(OverBase):
         self.has_score_term = self.inner.has_score_term  # type: ignore[misc]
         self.uses_positions = self.inner.uses_positions  # type: ignore[misc]
 
-    def backend_limits(self) -> dict[str, str]:
-        return self.inner.backend_limits()
-
     def factor(self, length: int, layer: int, device: torch.device) -> Tensor:
         """(H, T) logit multipliers s_lh log(i + 1), fp32 (fp64 for an fp64 method)."""
         dtype = torch.promote_types(self.s.dtype, torch.float32)
