@@ -10,7 +10,8 @@ save a checkpoint at the next step boundary and exit non-zero; the next start re
 
 A run is a :class:`Trainer` whose stages read top to bottom in :meth:`Trainer.stages`: setup,
 resume (checked before anything is written), claim, start, the step loop, final evaluation.
-What it uses lives beside it: the validated config (:mod:`posbench.spec`), device and precision
+What it uses lives beside it: the validated config (:mod:`posbench.spec`), what it trains on and
+is scored on (:mod:`posbench.workload`: text or a synthetic task), device and precision
 (:mod:`posbench.device`), the optimizer and THE training step (:mod:`posbench.optim`, which
 ``posbench bench`` times too), resume checks (:mod:`posbench.resume`) and the run directory with
 its lock and records (:mod:`posbench.rundir`).
@@ -32,14 +33,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from posbench.checkpoint import load_model_weights, rng_state, save_checkpoint, set_rng_state
-from posbench.data import prepare_data
-from posbench.data.loader import TrainBatches
 from posbench.device import as_posbench_error, autocast_dtype, resolve_device, seed_everything
 from posbench.distributed import (
     DistInfo, any_rank, barrier, init_distributed, mean_across_ranks, same_on_all_ranks, shutdown,
 )
 from posbench.errors import PosbenchError
-from posbench.evaluate import evaluate_run, headline, per_position_loss, validation_sets
 from posbench.hardware import environment_line, run_environment
 from posbench import loggers
 from posbench.loggers import make_progress, wandb_group
@@ -51,12 +49,11 @@ from posbench.positions import TrainingPositions
 from posbench.preemption import StopRequest
 from posbench.probes import probe_summary, run_probes
 from posbench.results import read_results_or_quarantine, versions
-from posbench.resume import check_resumable, data_identity, load_resume_state, resolve_run_dir, run_target
+from posbench.resume import check_resumable, load_resume_state, resolve_run_dir, run_target
 from posbench.rundir import RunDir, RunLocked
 from posbench.runlog import HydraRecord
 from posbench.spec import MethodSpec, build_spec, check_memory_fits
-from posbench.tasks import TaskBatches, TaskData, answer_share
-from posbench.tasks.evaluate import task_results, task_summary, validation_batches, validation_metrics
+from posbench.workload import make_workload
 
 logger = logging.getLogger("posbench")
 
@@ -167,23 +164,16 @@ class Trainer:
         if self.is_main:
             self.rundir.remove_stray_temp_files(self.log)
         seed_everything(spec.seed)
-        # A task run (task=<name>) generates its sequences on the fly: no token cache.
-        self.prepared = TaskData(spec.task, spec.task_options) if spec.task else prepare_data(spec.data, log=self.log)
-        spec.model.vocab_size = self.prepared.vocab_size
+        self.workload = make_workload(spec, self.log)  # text (a token cache) or a task's generator
+        spec.model.vocab_size = self.workload.vocab_size
         self.micro, self.accum = micro_batching(t, self.dist_info.world_size)
         check_memory_fits(spec, self.micro, self.device)
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
         self.position_drift = ParameterDrift(self.raw_model.position)  # p_0: the seed's init, also on resume
         self.train_positions = TrainingPositions(self.cfg, spec.method, t.context, self.raw_model.position.max_positions,
                                                  spec.seed, self.dist_info.rank, self.device)  # randomized (or arange)
-        # One pinned host buffer per step, copied without blocking (no per-token Python work).
-        if spec.task:
-            self.batches = TaskBatches(spec.task, t.batch_size, spec.seed, rank=self.dist_info.rank,
-                                       world_size=self.dist_info.world_size, device=self.device)
-        else:
-            self.batches = TrainBatches(self.prepared.train_tokens(), t.context, t.batch_size, spec.seed,
-                                        rank=self.dist_info.rank, world_size=self.dist_info.world_size,
-                                        device=self.device, pin_memory=self.device.type == "cuda")
+        self.batches = self.workload.train_batches(t, spec.seed, self.dist_info.rank, self.dist_info.world_size,
+                                                   self.device)
         self.tokens_per_step = t.batch_size * t.context
         self.total_steps = total_steps(t, self.tokens_per_step, self.batches.steps_per_epoch)
         self.amp_dtype = autocast_dtype(t.precision, self.device)
@@ -222,7 +212,7 @@ class Trainer:
             if state is None:
                 self.log(f"no usable checkpoint in {self.run_dir}; starting from scratch")
             else:
-                check_resumable(state, self.spec, self.total_steps, self.run_dir, self.data_identity(),
+                check_resumable(state, self.spec, self.total_steps, self.run_dir, self.workload.identity(),
                                 self.train_positions.randomize_max)
                 load_model_weights(self.raw_model, state, self.run_dir)
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -268,12 +258,7 @@ class Trainer:
         self.environment = run_environment(t.precision, self.amp_dtype, self.device)  # results.json, W&B
         if self.is_main:
             self.log(environment_line(self.environment))
-        if not self.is_main:
-            self.val_sets = {}
-        elif spec.task:
-            self.val_sets = validation_batches(spec.task, t.context, t.val_sequences, t.val_extrapolation_sequences)
-        else:
-            self.val_sets = validation_sets(self.prepared, self.raw_model, t, self.log)
+        self.val_sets = self.workload.validation_sets(self.raw_model, t, self.log) if self.is_main else {}
         self.run_logger = loggers.make_logger(  # looked up at call time: tests wrap it
             self.cfg.logger, run_dir=self.run_dir, run_name=spec.run_name,
             group=wandb_group(str(self.cfg.get("experiment_name", "default"))),
@@ -347,9 +332,7 @@ class Trainer:
         def micro_loss(i: int) -> torch.Tensor:
             xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]  # (b, T) each
             loss = self.model(xs, self.train_positions(step, i, xs.shape[0]), targets=ys)
-            if self.spec.task and accum > 1:  # micro-batches hold unequal numbers of answers:
-                loss = loss * (accum * answer_share(ys, y))  # the batch's mean over answers, not of means
-            return loss
+            return self.workload.micro_loss(loss, ys, y, accum)
 
         def no_sync(i: int) -> Any:  # DDP all-reduces on the last micro-batch only
             sync = accum == 1 or i == accum - 1 or not self.dist_info.enabled
@@ -422,19 +405,10 @@ class Trainer:
         context, tokens = self.t.context, step * self.tokens_per_step
         row: dict[str, Any] = {"step": step, "tokens": tokens}
         logged: dict[str, Any] = {"train/tokens": tokens}
-        if self.spec.task:  # answers only: loss and accuracy at C, accuracy past C (docs/tasks.md)
-            values = validation_metrics(self.raw_model, self.spec.task, self.val_sets, context, self.micro,
-                                        self.device, self.amp_dtype)
-            row.update(values)
-            logged.update({"val/" + name.removeprefix("val_"): value for name, value in values.items()})
-        else:
-            for name, sequences in self.val_sets.items():
-                losses = per_position_loss(self.raw_model, sequences, self.micro, self.device,
-                                           autocast_dtype=self.amp_dtype)
-                # The fp32-head evaluator, so val_loss is comparable with results.json's 0-C band.
-                value = float(losses.mean() if name == "val_loss" else losses[context:2 * context].mean())
-                row[name] = value
-                logged["val/" + name.removeprefix("val_")] = value
+        values = self.workload.validation_row(self.raw_model, self.val_sets, context, self.micro, self.device,
+                                              self.amp_dtype)
+        row.update(values)
+        logged.update({"val/" + name.removeprefix("val_"): value for name, value in values.items()})
         drift = self.position_drift.metrics()  # position/<param>/norm and /move (issue 23)
         row.update(drift)
         logged.update(drift)
@@ -481,12 +455,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
             "config": OmegaConf.to_container(self.cfg, resolve=True), "method": spec.method,
             "method_options": spec.method_options, "model_config": spec.model.to_dict(),
-            "data_dir": None if spec.task else str(self.prepared.dir), "data_identity": self.data_identity(),
+            "data_dir": self.workload.data_dir, "data_identity": self.workload.identity(),
         }
-
-    def data_identity(self) -> dict[str, str]:
-        """What the training data is, for the resume check: the token files, or the task."""
-        return self.prepared.identity() if self.spec.task else data_identity(self.prepared)
 
     def stop(self, step: int, stop: StopRequest) -> None:
         """After the stop checkpoint: record "interrupted", hand SIGUSR1 on, raise."""
@@ -512,11 +482,8 @@ class Trainer:
         if self.is_main:
             raw_model, tokens_per_step = self.raw_model, self.tokens_per_step
             val_loss = self.validate(self.total_steps)
-            if spec.task:  # accuracy on the task's answers by length (results["task"]), no loss curves
-                results = task_results(raw_model, spec, self.device, self.amp_dtype, self.log)
-            else:
-                results = evaluate_run(raw_model, self.prepared, spec, self.device, self.amp_dtype, self.log)
-            probes = run_probes(raw_model, self.prepared, spec.eval, t.context, self.device, self.amp_dtype,
+            results = self.workload.evaluate(raw_model, spec, self.device, self.amp_dtype, self.log)
+            probes = run_probes(raw_model, self.workload.text, spec.eval, t.context, self.device, self.amp_dtype,
                                 self.log)  # eval.probes
             if probes:
                 results["probes"] = probes
@@ -538,8 +505,7 @@ class Trainer:
             results["model"] = {**spec.model.to_dict(), "parameters": raw_model.num_parameters(),
                                 "non_embedding_parameters": raw_model.num_parameters(non_embedding=True)}
             results["method_options"] = spec.method_options
-            results["data"] = self.prepared.record() if spec.task else {"dir": str(self.prepared.dir),
-                                                                        "meta": self.prepared.meta}
+            results["data"] = self.workload.record()
             results["versions"] = versions()
             results["environment"] = self.environment
             self.rundir.write_results(results)  # under the results lock
@@ -547,15 +513,10 @@ class Trainer:
             self.run_logger.log_eval(results["eval"], t.context)
             self.run_logger.summary({"train/final_loss": self.loss_value,
                                      "train/tokens_per_second": results["train"]["tokens_per_second"],
-                                     **probe_summary(results.get("probes", [])), **task_summary(results)})
+                                     **probe_summary(results.get("probes", [])), **self.workload.summary(results)})
             self.run_logger.log_figures(figures)
             self.rundir.write_status("completed", method=spec.method, seed=spec.seed)
-            band = f"{t.context}-{2 * t.context}"
-            if spec.task:
-                self.log(f"done: {self.rundir.results_path}; accuracy by length " + ", ".join(
-                    f"{k.rsplit('/', 1)[-1]}: {v:.3f}" for k, v in task_summary(results).items()))
-            else:
-                self.log(f"done: {self.rundir.results_path}; {band} loss {headline(results, band):.4f}")
+            self.log(f"done: {self.rundir.results_path}; {self.workload.done_line(results, t.context)}")
         self.run_logger.finish(exit_code=0)
         # Other ranks wait here while rank 0 evaluates: tearing the process group down on some ranks
         # while another still runs left a rank hanging at exit (seen intermittently with gloo).

@@ -1,12 +1,13 @@
 """Synthetic tasks with a right answer (issue 25; docs/tasks.md): the task interface and batches
 (:mod:`posbench.tasks.base`), the built-in tasks (:mod:`posbench.tasks.generators`), their
-evaluation (:mod:`posbench.tasks.evaluate`) and comparison tables and figures
+evaluation (:mod:`posbench.tasks.evaluate`), a task run's workload for the trainer
+(:mod:`posbench.tasks.workload`) and comparison tables and figures
 (:mod:`posbench.tasks.report`)."""
 
 from posbench.tasks import generators  # noqa: F401  (registers the built-in tasks)
 from posbench.tasks.base import (
-    IGNORE, TEST, TRAIN, VALID, Batch, Task, TaskBatches, TaskData, answer_share, list_tasks, make_task, register_task,
+    IGNORE, TEST, TRAIN, VALID, Batch, Task, TaskBatches, answer_share, list_tasks, make_task, register_task,
 )
 
-__all__ = ["Batch", "IGNORE", "TEST", "TRAIN", "Task", "TaskBatches", "TaskData", "VALID", "answer_share", "list_tasks",
+__all__ = ["Batch", "IGNORE", "TEST", "TRAIN", "Task", "TaskBatches", "VALID", "answer_share", "list_tasks",
            "make_task", "register_task"]

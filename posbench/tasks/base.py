@@ -16,7 +16,7 @@ evaluated on the same test sequences (paired). ``configs/task/<name>.yaml`` sele
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -163,26 +163,5 @@ class TaskBatches:
         return x, y
 
 
-@dataclass
-class TaskData:
-    """What a task run records and checks on resume in place of a token cache."""
-
-    task: Task
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.task.vocab_size
-
-    def identity(self) -> dict[str, str]:
-        """Resume check: the task and its options (the data is a function of them)."""
-        return {"task": f"{self.task.name}:{sorted(self.options.items())}"}
-
-    def record(self) -> dict[str, Any]:
-        """results.json's ``data`` for a task run."""
-        return {"dir": None, "meta": {"task": self.task.name, "options": self.options,
-                                      "vocab": list(self.task.vocab)}}
-
-
-__all__ = ["Batch", "IGNORE", "Task", "TaskBatches", "TaskData", "TEST", "TRAIN", "VALID", "answer_share", "list_tasks",
+__all__ = ["Batch", "IGNORE", "Task", "TaskBatches", "TEST", "TRAIN", "VALID", "answer_share", "list_tasks",
            "make_task", "positive_int", "register_task"]

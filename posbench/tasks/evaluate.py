@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from posbench.evaluate import band_edges, inference, sequences_fingerprint
 from posbench.extension import NONE, extended, extension_options
