@@ -278,10 +278,16 @@ class WandbLogger(RunLogger):
         run.define_metric("eval/position", hidden=True, summary="none")
 
     def finish(self, exit_code: int = 0) -> None:
+        """Close the run and wait until its records are on disk: wandb-core writes the last ones
+        to the .wandb file after ``run.finish()`` returns, and wandb's own teardown at exit is
+        not reliable in worker processes (Hydra's joblib launcher), so it is called here."""
         run, self._run = self._run, None  # idempotent; nothing more is logged afterwards
         if run is not None:
+            import wandb
+
             try:
                 run.finish(exit_code=exit_code)
+                wandb.teardown(exit_code=exit_code)
             except Exception as e:
                 self._log(f"warning: W&B finish failed ({one_line(e)}); run data stays in {self.sync_dir}")
 
