@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from posbench.data.loader import eval_sequences, spread_sequences
 from posbench.errors import PosbenchError
-from posbench.extension import NONE, extended, extension_options
+from posbench.extension import NONE, evaluation_order, extended, record_extension
 from posbench.model import CPU_LOGITS_CHUNK_BYTES
 from posbench.results import SCHEMA_VERSION, headline_entries
 from posbench.stats import moving_average
@@ -369,7 +369,7 @@ def evaluate_model(
             window_seconds = time.perf_counter() - started
             windowed = past  # (N, L - C); targets inside the context are prepended per extension below
         plain_inside = None  # (N, C): the plain model's losses inside the context, from the none pass
-        for extension in [NONE, *(e for e in extensions if e != NONE)]:  # none first: it is the reference
+        for extension in evaluation_order(extensions):  # none first: it is the reference
             started = time.perf_counter()
             with extended(model, extension, train_context, length, extension_factor, extension_settings) as factor:
                 full = per_sequence_loss(model, sequences, batch_size, device, autocast_dtype=autocast_dtype).numpy()
@@ -380,10 +380,7 @@ def evaluate_model(
                            sequences=sequences, seconds=seconds, window_stride=window_stride,
                            window_seconds=window_seconds, eps=effective_length_eps,
                            smooth=effective_length_window)
-            entry["extension"], entry["extension_factor"] = extension, factor
-            used = extension_options(extension, train_context, length, extension_settings)
-            if used is not None:
-                entry["extension_options"] = used
+            record_extension(entry, extension, factor, train_context, length, extension_settings)
             entries.append(entry)
             label = "" if extension == NONE else f" {extension}" + ("" if factor is None else f" (factor {factor:g})")
             shown = ", ".join(f"{k}: {v:.4f}" for k, v in entry["bands"].items())

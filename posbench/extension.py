@@ -466,6 +466,22 @@ def extension_options(name: str, train_context: int, length: int,
     return None if resolve is None else resolve(Setting(train_context, length, None, options or {}))
 
 
+def evaluation_order(extensions: Sequence[str]) -> list[str]:
+    """The passes of an evaluation: ``none`` first (the plain model, every extension's
+    reference), then the other extensions in the order given."""
+    return [NONE, *(e for e in extensions if e != NONE)]
+
+
+def record_extension(entry: dict[str, Any], name: str, factor: float | None, train_context: int, length: int,
+                     options: Mapping[str, Any] | None = None) -> None:
+    """Stamp a results entry with the pass it came from: ``extension``, ``extension_factor`` and,
+    for an extension with settings of its own, ``extension_options``."""
+    entry["extension"], entry["extension_factor"] = name, factor
+    used = extension_options(name, train_context, length, options)
+    if used is not None:
+        entry["extension_options"] = used
+
+
 @contextlib.contextmanager
 def extended(model: nn.Module, name: str, train_context: int, length: int, factor: float | None = None,
              options: Mapping[str, Any] | None = None) -> Iterator[float | None]:
@@ -492,5 +508,5 @@ def extended(model: nn.Module, name: str, train_context: int, length: int, facto
         model.position = original
 
 
-__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "RelativeRemap", "applies_text", "extended", "extension_factor",
-           "extension_options", "list_extensions", "method_type", "resolve_extensions", "transform_apart"]
+__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "RelativeRemap", "applies_text", "evaluation_order", "extended",
+           "extension_factor", "extension_options", "list_extensions", "record_extension", "method_type", "resolve_extensions", "transform_apart"]

@@ -40,7 +40,7 @@ from torch import nn
 
 from posbench.errors import PosbenchError
 from posbench.evaluate import score_rows
-from posbench.extension import NONE, extended, extension_options
+from posbench.extension import NONE, evaluation_order, extended, extension_options
 from posbench.results import shown_setting
 from posbench.settings import KINDS, PROBES  # noqa: F401  (names owned by the settings)
 from posbench.stats import bootstrap_interval
@@ -267,7 +267,7 @@ def copy_probe(
         raise PosbenchError("no copy probe cell fits; check eval.copy.distances and eval.copy.span")
     windows = make_windows(tokens, num_windows, longest, span, vocab_size, special_ids, seed, kinds)
     entries = []
-    for extension in [NONE, *(e for e in extensions if e != NONE)]:
+    for extension in evaluation_order(extensions):
         started = time.perf_counter()
         out_cells, factors = [], {}
         # The control does not depend on p: cells with the same repeat position t share it.

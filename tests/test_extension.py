@@ -11,10 +11,14 @@ from torch import nn
 
 from posbench.errors import PosbenchError
 from posbench.evaluate import per_position_loss
-from posbench.extension import EXTENSIONS, ExtendedPosition, Setting, extended, extension_factor, resolve_extensions
+from posbench.extension import (
+    EXTENSIONS, NONE, ExtendedPosition, Setting, evaluation_order, extended, extension_factor, record_extension,
+    resolve_extensions,
+)
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary
 from posbench.model import ModelConfig, build_model
+from posbench.settings import ReRoPEConfig
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402
@@ -385,3 +389,18 @@ def test_rotary_extensions_apply_to_every_rotary_method_without_touching_it(meth
             torch.testing.assert_close(holder.position.rotate_qk(q, q, positions)[0],
                                        trained.rotate_qk(q, q, positions.float() / 4)[0], rtol=1e-5, atol=1e-5)
     assert holder.position is trained and torch.equal(trained.inv_freq, before)
+
+
+def test_evaluation_order_puts_the_plain_model_first_once():
+    assert evaluation_order(["yarn", NONE, "pi"]) == [NONE, "yarn", "pi"]
+    assert evaluation_order([]) == [NONE]  # the plain model is always evaluated: it is the reference
+
+
+def test_record_extension_stamps_the_pass_and_only_the_settings_an_extension_has():
+    plain, yarn, rerope = {}, {}, {}
+    record_extension(plain, NONE, None, 256, 1024)
+    record_extension(yarn, "yarn", 4.0, 256, 1024)
+    record_extension(rerope, "rerope", None, 256, 1024, {"rerope": ReRoPEConfig(window=64)})
+    assert plain == {"extension": NONE, "extension_factor": None}
+    assert yarn == {"extension": "yarn", "extension_factor": 4.0}
+    assert rerope["extension"] == "rerope" and rerope["extension_options"]["window"] == 64

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posbench.evaluate import band_edges, inference, sequences_fingerprint
-from posbench.extension import NONE, extended, extension_options
+from posbench.extension import NONE, evaluation_order, extended, record_extension
 from posbench.results import SCHEMA_VERSION
 from posbench.stats import bootstrap_interval
 from posbench.tasks.base import IGNORE, TEST, VALID, Batch, Task
@@ -103,16 +103,14 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
     for length in sorted(set(evaluation.lengths)):
         task.check_length(length)
         batch = task.sequences(TEST, length, evaluation.num_sequences)
-        for extension in [NONE, *(e for e in evaluation.extension if e != NONE)]:
+        for extension in evaluation_order(evaluation.extension):
             started = time.perf_counter()
             settings = evaluation.extension_options()  # eval.rerope.*, eval.self_extend.*
             with extended(model, extension, train_context, length, evaluation.extension_factor, settings) as factor:
                 correct, loss = answer_scores(model, batch, evaluation.batch_size, device, autocast_dtype)
             entry = task_entry(task, batch, correct, loss, length=length, train_context=train_context)
-            entry.update(extension=extension, extension_factor=factor, seconds=time.perf_counter() - started)
-            used = extension_options(extension, train_context, length, settings)
-            if used is not None:
-                entry["extension_options"] = used
+            record_extension(entry, extension, factor, train_context, length, settings)
+            entry["seconds"] = time.perf_counter() - started
             entries.append(entry)
             shown = ", ".join(f"{band}: {v['mean']:.3f}" for band, v in entry["by_position"].items() if v["n"])
             label = "" if extension == NONE else f" {extension}"
