@@ -3,6 +3,8 @@ scoring, a tiny model learning flip-flop, and the CLI end to end."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -17,10 +19,12 @@ from conftest import compose_config
 
 from posbench.errors import PosbenchError
 from posbench.model import ModelConfig, build_model, lm_loss
+from posbench.results import RunRecord
 from posbench.settings import EvalConfig, from_section
 from posbench.spec import build_spec
 from posbench.tasks import IGNORE, TEST, TRAIN, VALID, TaskBatches, list_tasks, make_task
 from posbench.tasks.evaluate import answer_scores, evaluate_task, task_entry
+from posbench.tasks.report import interval, task_tables
 from posbench.train import train
 
 C = 32
@@ -341,7 +345,25 @@ def test_cli_trains_a_task_and_plots_two_runs(tmp_path):
     assert (out / "tasks_copy.png").stat().st_size > 0
     table = (out / "tasks.md").read_text()
     assert "| alibi | 2 |" in table and "t over 2 seeds" in table and "exact_match" in table
-    assert "copy,\"" in (out / "tasks.csv").read_text() or "copy," in (out / "tasks.csv").read_text()
+    rows = list(csv.DictReader(io.StringIO((out / "tasks.csv").read_text())))
+    assert {r["task"] for r in rows} == {"copy"} and {r["group"] for r in rows} == {"alibi"}
+    assert json.loads(rows[0]["options"]) == results["task"]["options"]  # the options column is JSON
+    overall = [r for r in rows if r["metric"] == "accuracy" and r["positions"] == "all"]
+    assert [int(r["length"]) for r in overall] == [32, 64, 128]
+    assert all(r["seeds"] == "2" and r["interval"] == "t" for r in overall)
+
+    # One seed: the run's own bootstrap over its sequences, as results.json stored it.
+    one = [RunRecord(runs[0], results)]
+    table = task_tables(one)[0]
+    for entry in entries:
+        stored = entry["accuracy"]
+        got = interval(table.groups["alibi"], "accuracy", entry["length"])
+        assert (got.mean, got.low, got.high, got.n, got.kind) == (
+            stored["mean"], stored["low"], stored["high"], stored["n"], stored["kind"])
+        for bucket, value in entry["by_position"].items():
+            band = interval(table.groups["alibi"], "accuracy", entry["length"], bucket)
+            assert (band is None) == (value["mean"] is None)  # a bucket without answers has no value
+            assert band is None or (band.mean, band.low, band.kind) == (value["mean"], value["low"], value["kind"])
 
 
 def test_a_run_refuses_bad_task_settings_before_any_work():

@@ -12,6 +12,8 @@ and ``tasks.csv``.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,6 @@ from posbench.figures import line_styles, new_figure, save
 from posbench.io import write_text_atomic
 from posbench.results import RunRecord
 from posbench.stats import Interval, across_runs
-
 
 
 def is_task_run(run: RunRecord) -> bool:
@@ -45,19 +46,19 @@ def plain_entries(run: RunRecord, metric: str) -> dict[int, dict[str, Any]]:
 
 
 def interval(runs: Sequence[RunRecord], metric: str, length: int, bucket: str | None = None) -> Interval | None:
-    """A group's ``metric`` at ``length`` (overall, or in position ``bucket``) across its runs."""
-    means, sequences, block = [], None, None
+    """A group's ``metric`` at ``length`` (overall, or in position ``bucket``): a t-interval over
+    its runs' means, or for one run the entry's own bootstrap over its sequences."""
+    blocks = []
     for run in runs:
         entry = plain_entries(run, metric).get(length)
         block = None if entry is None else (entry[metric] if bucket is None else entry["by_position"].get(bucket))
         if block is None or block.get("mean") is None:
             return None
-        means.append(float(block["mean"]))
-        if bucket is None:
-            sequences = entry.get(f"sequence_{metric}")
-    if len(runs) == 1 and bucket is not None:  # one seed: the entry's own bootstrap over sequences
-        return Interval(block["mean"], block["low"], block["high"], block["n"], block["kind"])
-    return across_runs(means, sequences if len(runs) == 1 else None)
+        blocks.append(block)
+    if len(blocks) == 1:  # the same bootstrap_interval over the same sequences that the run stored
+        one = blocks[0]
+        return Interval(one["mean"], one["low"], one["high"], one["n"], one["kind"])
+    return across_runs([float(block["mean"]) for block in blocks])
 
 
 @dataclass
@@ -132,10 +133,14 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
 
 
 def tables_csv(tables: Sequence[TaskTable]) -> str:
-    """``tasks.csv``: one row per (task, group, metric, length, position bucket or ``all``)."""
-    rows = ["task,options,group,seeds,metric,length,positions,mean,low,high,n,interval"]
+    """``tasks.csv``: one row per (task, group, metric, length, position bucket or ``all``);
+    ``options`` is the task's options as JSON."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["task", "options", "group", "seeds", "metric", "length", "positions", "mean", "low", "high", "n",
+                     "interval"])
     for table in tables:
-        options = json.dumps(table.label.split(" ", 1)[1]).replace(",", ";")
+        options = table.label.split(" ", 1)[1]
         for label, runs in table.groups.items():
             for metric in table.metrics:
                 for L in table.lengths:
@@ -145,11 +150,10 @@ def tables_csv(tables: Sequence[TaskTable]) -> str:
                         value = interval(runs, metric, L, bucket)
                         if value is None:
                             continue
-                        low = "" if value.low is None else f"{value.low:.6f}"
-                        high = "" if value.high is None else f"{value.high:.6f}"
-                        rows.append(f"{table.name},{options},{label},{len(runs)},{metric},{L},{bucket or 'all'},"
-                                    f"{value.mean:.6f},{low},{high},{value.n},{value.kind}")
-    return "\n".join(rows) + "\n"
+                        bounds = ["" if v is None else f"{v:.6f}" for v in (value.low, value.high)]
+                        writer.writerow([table.name, options, label, len(runs), metric, L, bucket or "all",
+                                         f"{value.mean:.6f}", *bounds, value.n, value.kind])
+    return buffer.getvalue()
 
 
 def task_figure(table: TaskTable):
