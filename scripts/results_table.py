@@ -1,0 +1,85 @@
+"""The README's results table: loss bands, extrapolation cost and copy gain per method.
+
+    python scripts/results_table.py COMPARISON_DIR [--distances 32,320] [--kind random]
+
+Reads ``bands.csv`` and ``copy.csv`` of a ``posbench plot`` output (the same runs) and prints a
+markdown table, one row per group sorted by the 256-512 band: seeds, the 0-256, 256-512 and
+512-1024 bands, the cost on 256-512 and 512-1024, and the copy gain of ``--kind`` spans at the
+smallest distance inside the context and at ``--distances`` past it (a repeat whose copy lies
+past C, docs/probes.md). Every value is ``mean ± half-width`` of its 95 % interval, as the CSVs
+hold it (t across seeds, or the bootstrap of one seed); ``-`` where a group has no such value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+BANDS = ("0-256", "256-512", "512-1024", "cost_256-512", "cost_512-1024")
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def shown(mean: str, low: str, high: str, signed: bool = False) -> str:
+    """``mean ± half-width`` (``-`` when there is no mean; the mean alone without bounds)."""
+    if not mean:
+        return "-"
+    m = float(mean)
+    text = f"{m:+.3f}" if signed else f"{m:.3f}"
+    if not low or not high:
+        return text
+    return f"{text} ± {(float(high) - float(low)) / 2:.3f}"
+
+
+def gains(copy_rows: list[dict[str, str]], kind: str) -> dict[tuple[str, str, int], dict[str, str]]:
+    """(group, region, distance) -> its copy.csv row, for spans of ``kind``."""
+    return {(r["group"], r["region"], int(r["distance"])): r for r in copy_rows if r["kind"] == kind}
+
+
+def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distances: list[int], kind: str) -> str:
+    by_cell = gains(copy_rows, kind)
+    inside = min((d for (_, region, d) in by_cell if region == "inside"), default=None)
+    gain_columns = ([("inside", inside)] if inside is not None else []) + [("past", d) for d in distances]
+    head = ["method", "seeds", "0-256", "256-512", "512-1024", "cost 256-512", "cost 512-1024"]
+    head += [f"copy gain, {region} d={d}" for region, d in gain_columns]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+
+    def order(row: dict[str, str]) -> float:
+        return float(row["256-512_mean"]) if row.get("256-512_mean") else float("inf")
+
+    for row in sorted(bands, key=order):
+        cells = [row["label"], row["seeds"]]
+        for band in BANDS:
+            cells.append(shown(row.get(f"{band}_mean", ""), row.get(f"{band}_low", ""), row.get(f"{band}_high", ""),
+                               signed=band.startswith("cost")))
+        for region, d in gain_columns:
+            g = by_cell.get((row["label"], region, d))
+            cells.append("-" if g is None else shown(g["gain"], g["low"], g["high"], signed=True))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("comparison", type=Path, help="a posbench plot output with bands.csv and copy.csv")
+    parser.add_argument("--distances", default="32,320", help="copy distances past the context, comma-separated")
+    parser.add_argument("--kind", default="random", choices=("random", "text"), help="copy probe span kind")
+    args = parser.parse_args(argv)
+    missing = [name for name in ("bands.csv", "copy.csv") if not (args.comparison / name).is_file()]
+    if missing:
+        print(f"results_table: {args.comparison} has no {' or '.join(missing)}; make it with "
+              f"posbench plot 'runs=[...]' out={args.comparison} (runs trained with eval.probes=[copy])",
+              file=sys.stderr)
+        return 2
+    distances = [int(d) for d in args.distances.split(",") if d]
+    print(table(read_csv(args.comparison / "bands.csv"), read_csv(args.comparison / "copy.csv"), distances, args.kind))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""scripts/results_table.py: the README's table from a comparison's bands.csv and copy.csv."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "results_table.py"
+spec = importlib.util.spec_from_file_location("results_table", SCRIPT)
+results_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(results_table)
+
+
+def write(tmp_path: Path) -> Path:
+    bands = ["label,seeds," + ",".join(f"{b}_mean,{b}_low,{b}_high" for b in results_table.BANDS)]
+    bands.append("rope,3," + ",".join(["3.4,3.3,3.5", "3.5,3.4,3.6", "3.7,3.6,3.8", "0.1,0.08,0.12", "0.3,0.2,0.4"]))
+    bands.append("alibi,1," + ",".join(["3.3,3.2,3.4", "3.2,3.1,3.3", "3.25,3.2,3.3", "0.001,0.0,0.002", "0.001,,"]))
+    (tmp_path / "bands.csv").write_text("\n".join(bands) + "\n")
+    copy = ["group,kind,region,distance,gain,low,high,interval,runs,windows,reach",
+            "rope,random,inside,32,0.5,0.4,0.6,t,3,64,0", "rope,random,inside,64,0.4,0.3,0.5,t,3,64,0",
+            "rope,random,past,320,0.1,0.0,0.2,t,3,64,0", "rope,text,past,320,9,9,9,t,3,64,0",
+            "alibi,random,inside,32,0.2,0.1,0.3,bootstrap,1,64,0"]
+    (tmp_path / "copy.csv").write_text("\n".join(copy) + "\n")
+    return tmp_path
+
+
+def test_rows_sorted_by_the_extrapolation_band_with_half_widths_and_gaps(tmp_path, capsys):
+    assert results_table.main([str(write(tmp_path)), "--distances", "320"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| copy gain, inside d=32 | copy gain, past d=320 |")  # the smallest inside distance
+    alibi, rope = lines[2], lines[3]  # alibi's 256-512 (3.2) sorts before rope's (3.5)
+    assert alibi.startswith("| alibi | 1 | 3.300 ± 0.100 | 3.200 ± 0.100 |")
+    assert "| +0.001 ± 0.001 | +0.001 |" in alibi  # a cost without bounds is shown without a half-width
+    assert alibi.endswith("| +0.200 ± 0.100 | - |")  # no past-C cell for alibi
+    assert rope.endswith("| +0.100 ± 0.020 | +0.300 ± 0.100 | +0.500 ± 0.100 | +0.100 ± 0.100 |")  # random spans only
+
+
+def test_a_folder_without_the_csvs_is_one_line_and_exit_2(tmp_path, capsys):
+    assert results_table.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "posbench plot" in err and "eval.probes=[copy]" in err
