@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 from conftest import compose_config
 
 from posbench.errors import PosbenchError
+from posbench.methods import list_methods
 from posbench.model import ModelConfig, build_model, lm_loss
 from posbench.results import RunRecord
 from posbench.settings import EvalConfig, from_section
@@ -257,6 +259,33 @@ def test_a_tiny_model_learns_flipflop_at_c():
     evaluation = EvalConfig(lengths=[C], num_sequences=100, batch_size=50)
     entry = evaluate_task(model, t, evaluation, C, torch.device("cpu"), None, log=lambda _: None)[0]
     assert t.chance() == 0.5 and entry["accuracy"]["low"] > 0.8, entry["accuracy"]
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_every_method_trains_on_a_task_and_is_evaluated_up_to_8c(method):
+    """Each method takes a training step on a task's vocabulary and answers-only targets, and its
+    evaluation runs at C, 2C and 8C (past any position it trained on)."""
+    t = task("flipflop")
+    model = tiny_model(t.vocab_size, method)
+    x, y = TaskBatches(t, 4, seed=0).get(0)  # (4, C) each
+    loss = model(x, targets=y)
+    loss.backward()
+    assert torch.isfinite(loss) and any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    evaluation = EvalConfig(lengths=[C, 2 * C, 8 * C], num_sequences=4, batch_size=4)
+    entries = evaluate_task(model, t, evaluation, C, torch.device("cpu"), None, log=lambda _: None)
+    assert [e["length"] for e in entries] == [C, 2 * C, 8 * C]
+    for e in entries:
+        assert e["answers"] > 0 and 0.0 <= e["accuracy"]["mean"] <= 1.0 and math.isfinite(e["loss"])
+
+
+def test_randomized_positions_and_the_window_baseline_train_on_a_task(tmp_path):
+    """positions.randomize_max and model.attention_window reach a task run as a text run: the
+    run is labelled rope+rand<N> and the model records its window."""
+    cfg = compose_config("train", ["task=flipflop", "method=rope", *QUICK_TASK, "positions.randomize_max=128",
+                                   "model.attention_window=16"])
+    results = train(cfg, tmp_path / "run", log=lambda _: None)
+    assert results["method"] == "rope+rand128" and results["model"]["attention_window"] == 16
+    assert [e["length"] for e in results["task"]["entries"]] == [32, 64, 128]
 
 
 def test_task_evaluation_uses_the_extension_settings():
