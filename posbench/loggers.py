@@ -278,18 +278,15 @@ class WandbLogger(RunLogger):
         run.define_metric("eval/position", hidden=True, summary="none")
 
     def finish(self, exit_code: int = 0) -> None:
-        """Close the run and wait until its records are on disk: wandb-core writes the last ones
-        to the .wandb file after ``run.finish()`` returns, and wandb's own teardown at exit is
-        not reliable in worker processes (Hydra's joblib launcher), so it is called here."""
+        """Close the run; offline, also wait until its records are on disk (:func:`settle_offline`)."""
         run, self._run = self._run, None  # idempotent; nothing more is logged afterwards
         if run is not None:
-            import wandb
-
             try:
                 run.finish(exit_code=exit_code)
-                wandb.teardown(exit_code=exit_code)
             except Exception as e:
                 self._log(f"warning: W&B finish failed ({one_line(e)}); run data stays in {self.sync_dir}")
+                return
+            settle_offline(self.mode, exit_code, self._log)
 
     def _guard(self, op: str, fn: Callable[[Any], None]) -> None:
         """Run ``fn(run)``; on any error warn once and stop logging (training must go on)."""
@@ -384,6 +381,23 @@ class WandbLogger(RunLogger):
         self._guard("summary", lambda run: run.summary.update({k: _scalar(v) for k, v in values.items()}))
 
 
+def settle_offline(mode: str, exit_code: int, log: Log) -> None:
+    """After ``run.finish()`` of an offline run: wait for wandb's service to write the last records
+    of the .wandb file (the only copy of an offline run's data), which it does after ``finish``
+    returns (a busy machine's test lost the figures' record in 8 of 12 tries). wandb's teardown
+    does that wait; wandb runs it at exit, but not reliably in worker processes (Hydra's joblib
+    launcher). Offline only: there is no network to wait for, and an online run's data is uploaded
+    by ``finish`` already. A teardown that fails, or would exit the process, is one warning."""
+    if mode != "offline":
+        return
+    import wandb
+
+    try:
+        wandb.teardown(exit_code=exit_code)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - wandb's teardown sys.exit()s when its service failed
+        log(f"warning: W&B offline teardown failed ({one_line(e)}); check the .wandb file before syncing it")
+
+
 def wandb_init(*, mode: str, dir: Path, **kwargs: Any) -> Any:
     """``wandb.init`` with posbench's settings (timeouts, silent, no console capture)."""
     import wandb
@@ -433,6 +447,7 @@ def upload_figures(run_dir: Path, logger_cfg: Mapping[str, Any], paths: Sequence
     except Exception as err:  # noqa: BLE001 - W&B must never cost the figures
         log(f"warning: W&B logging of the figures failed ({one_line(err)}); they are in the run directory")
         return False
+    settle_offline(mode, 0, log)
     log(f"logged {sum(p.suffix == '.png' for p in paths)} figures to W&B run {run_id} ({mode})")
     return True
 

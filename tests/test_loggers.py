@@ -268,3 +268,29 @@ def test_extension_entries_get_their_own_group_and_never_the_headline(tmp_path):
     assert run.summary["eval/validation/512/band_256-512"] == pytest.approx(2.7)
     assert run.summary["headline/loss_256_512"] == pytest.approx(2.7)  # the plain model's
     logger.finish()
+
+
+def test_a_teardown_that_would_exit_the_process_is_one_warning(tmp_path, monkeypatch):
+    """wandb's teardown sys.exit()s when its service process failed: finish() must not end the
+    training process (or a one-process Hydra sweep) with it."""
+    messages: list[str] = []
+    logger = _make(tmp_path, messages=messages)
+    real_teardown = wandb.teardown
+
+    def failing(exit_code=None):  # once: the fixture's own teardown afterwards is the real one
+        monkeypatch.setattr(wandb, "teardown", real_teardown)
+        real_teardown(exit_code)
+        raise SystemExit(1)
+
+    monkeypatch.setattr(wandb, "teardown", failing)
+    logger.finish()  # no SystemExit
+    assert not logger.active and len(messages) == 2 and "W&B offline teardown failed" in messages[1]
+
+
+def test_only_an_offline_run_waits_for_wandb_teardown(monkeypatch):
+    calls: list[int] = []
+    monkeypatch.setattr(wandb, "teardown", lambda exit_code=None: calls.append(exit_code))
+    loggers.settle_offline("online", 0, print)
+    assert calls == []  # online: finish() uploaded it; a teardown could wait on a dead network
+    loggers.settle_offline("offline", 3, print)
+    assert calls == [3]
