@@ -508,5 +508,6 @@ def extended(model: nn.Module, name: str, train_context: int, length: int, facto
         model.position = original
 
 
-__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "RelativeRemap", "applies_text", "evaluation_order", "extended",
-           "extension_factor", "extension_options", "list_extensions", "record_extension", "method_type", "resolve_extensions", "transform_apart"]
+__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "RelativeRemap", "applies_text", "evaluation_order",
+           "extended", "extension_factor", "extension_options", "list_extensions", "method_type",
+           "record_extension", "resolve_extensions", "transform_apart"]

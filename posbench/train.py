@@ -53,7 +53,7 @@ from posbench.resume import check_resumable, load_resume_state, resolve_run_dir,
 from posbench.rundir import RunDir, RunLocked
 from posbench.runlog import HydraRecord
 from posbench.spec import MethodSpec, build_spec, check_memory_fits
-from posbench.workload import make_workload
+from posbench.workload import Workload, make_workload
 
 logger = logging.getLogger("posbench")
 
@@ -164,7 +164,7 @@ class Trainer:
         if self.is_main:
             self.rundir.remove_stray_temp_files(self.log)
         seed_everything(spec.seed)
-        self.workload = make_workload(spec, self.log)  # text (a token cache) or a task's generator
+        self.workload: Workload = make_workload(spec, self.log)  # text (a token cache) or a task's generator
         spec.model.vocab_size = self.workload.vocab_size
         self.micro, self.accum = micro_batching(t, self.dist_info.world_size)
         check_memory_fits(spec, self.micro, self.device)

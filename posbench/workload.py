@@ -23,10 +23,13 @@ from posbench.tasks.workload import TaskWorkload
 class Workload(Protocol):
     """The data side of a run, as the trainer uses it."""
 
-    text: PreparedData | None
-    """Held-out text for the probes (``eval.probes``); None where there is none."""
-    data_dir: str | None
-    """The token cache a checkpoint records (None: generated data)."""
+    @property
+    def text(self) -> PreparedData | None:
+        """Held-out text for the probes (``eval.probes``); None where there is none."""
+
+    @property
+    def data_dir(self) -> str | None:
+        """The token cache a checkpoint records (None: generated data)."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -113,7 +116,7 @@ class TextWorkload:
         return f"{band} loss {headline(results, band):.4f}"
 
 
-def make_workload(spec: Any, log: Callable[[str], None]) -> TextWorkload | TaskWorkload:
+def make_workload(spec: Any, log: Callable[[str], None]) -> Workload:
     """``spec`` (a :class:`posbench.spec.RunSpec`) -> its workload: the task's generator for
     ``task=<name>`` (no token cache), else the prepared text of ``data``."""
     if spec.task:

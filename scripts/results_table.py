@@ -3,8 +3,8 @@
     python scripts/results_table.py COMPARISON_DIR [--distances 32,320] [--kind random]
 
 Reads ``bands.csv`` and ``copy.csv`` of a ``posbench plot`` output (the same runs) and prints a
-markdown table, one row per group sorted by the 256-512 band: seeds, the 0-256, 256-512 and
-512-1024 bands, the cost on 256-512 and 512-1024, and the copy gain of ``--kind`` spans at the
+markdown table, one row per group sorted by the first band past the training context C: seeds, every loss band
+of the file (0-C, C-2C, ...), the cost on the bands past C, and the copy gain of ``--kind`` spans at the
 smallest distance inside the context and at ``--distances`` past it (a repeat whose copy lies
 past C, docs/probes.md). Every value is ``mean ± half-width`` of its 95 % interval, as the CSVs
 hold it (t across seeds, or the bootstrap of one seed); ``-`` where a group has no such value.
@@ -17,7 +17,6 @@ import csv
 import sys
 from pathlib import Path
 
-BANDS = ("0-256", "256-512", "512-1024", "cost_256-512", "cost_512-1024")
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -41,20 +40,29 @@ def gains(copy_rows: list[dict[str, str]], kind: str) -> dict[tuple[str, str, in
     return {(r["group"], r["region"], int(r["distance"])): r for r in copy_rows if r["kind"] == kind}
 
 
+def band_columns(row: dict[str, str]) -> list[str]:
+    """The loss bands of a bands.csv (``0-256``, ``256-512``, ...), then their costs, in position order."""
+    names = [k[:-len("_mean")] for k in row if k.endswith("_mean")]
+    plain = sorted((n for n in names if n[:1].isdigit()), key=lambda n: int(n.split("-")[0]))
+    return plain + [f"cost_{n}" for n in plain if f"cost_{n}" in names]
+
+
 def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distances: list[int], kind: str) -> str:
+    columns = band_columns(bands[0]) if bands else []
+    headline = next((c for c in columns if not c.startswith(("0-", "cost_"))), None)  # C-2C: the first band past C
     by_cell = gains(copy_rows, kind)
     inside = min((d for (_, region, d) in by_cell if region == "inside"), default=None)
     gain_columns = ([("inside", inside)] if inside is not None else []) + [("past", d) for d in distances]
-    head = ["method", "seeds", "0-256", "256-512", "512-1024", "cost 256-512", "cost 512-1024"]
+    head = ["method", "seeds", *(c.replace("_", " ") for c in columns)]
     head += [f"copy gain, {region} d={d}" for region, d in gain_columns]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
 
     def order(row: dict[str, str]) -> float:
-        return float(row["256-512_mean"]) if row.get("256-512_mean") else float("inf")
+        return float(row[f"{headline}_mean"]) if headline and row.get(f"{headline}_mean") else float("inf")
 
     for row in sorted(bands, key=order):
         cells = [row["label"], row["seeds"]]
-        for band in BANDS:
+        for band in columns:
             cells.append(shown(row.get(f"{band}_mean", ""), row.get(f"{band}_low", ""), row.get(f"{band}_high", ""),
                                signed=band.startswith("cost")))
         for region, d in gain_columns:

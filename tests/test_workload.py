@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 
 import torch
+from conftest import compose_config
 
 from posbench.spec import build_spec
 from posbench.tasks import IGNORE
 from posbench.tasks.workload import TaskWorkload
 from posbench.workload import TextWorkload, Workload, make_workload
-from tests.conftest import compose_config
 
 
 def protocol_members() -> set[str]:
