@@ -4,7 +4,8 @@
 
 Reads ``bands.csv`` and ``copy.csv`` of a ``posbench plot`` output (the same runs) and prints a
 markdown table, one row per group sorted by the first band past the training context C: seeds, every loss band
-of the file (0-C, C-2C, ...), the cost on the bands past C, and the copy gain of ``--kind`` spans at the
+of the file (0-C, C-2C, ...), the cost on the bands past C, the effective length at the longest
+evaluated length, and the copy gain of ``--kind`` spans at the
 smallest distance inside the context and at ``--distances`` past it (a repeat whose copy lies
 past C, docs/probes.md). Every value is ``mean ± half-width`` of its 95 % interval, as the CSVs
 hold it (t across seeds, or the bootstrap of one seed); ``-`` where a group has no such value.
@@ -24,15 +25,15 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def shown(mean: str, low: str, high: str, signed: bool = False) -> str:
+def shown(mean: str, low: str, high: str, signed: bool = False, digits: int = 3) -> str:
     """``mean ± half-width`` (``-`` when there is no mean; the mean alone without bounds)."""
     if not mean:
         return "-"
     m = float(mean)
-    text = f"{m:+.3f}" if signed else f"{m:.3f}"
+    text = f"{m:+.{digits}f}" if signed else f"{m:.{digits}f}"
     if not low or not high:
         return text
-    return f"{text} ± {(float(high) - float(low)) / 2:.3f}"
+    return f"{text} ± {(float(high) - float(low)) / 2:.{digits}f}"
 
 
 def gains(copy_rows: list[dict[str, str]], kind: str) -> dict[tuple[str, str, int], dict[str, str]]:
@@ -44,7 +45,9 @@ def band_columns(row: dict[str, str]) -> list[str]:
     """The loss bands of a bands.csv (``0-256``, ``256-512``, ...), then their costs, in position order."""
     names = [k[:-len("_mean")] for k in row if k.endswith("_mean")]
     plain = sorted((n for n in names if n[:1].isdigit()), key=lambda n: int(n.split("-")[0]))
-    return plain + [f"cost_{n}" for n in plain if f"cost_{n}" in names]
+    longest = sorted((n for n in names if n.startswith("effective_length_") and n[len("effective_length_"):].isdigit()),
+                     key=lambda n: int(n.split("_")[-1]))[-1:]  # at the longest evaluated length
+    return plain + [f"cost_{n}" for n in plain if f"cost_{n}" in names] + longest
 
 
 def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distances: list[int], kind: str) -> str:
@@ -64,7 +67,7 @@ def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distance
         cells = [row["label"], row["seeds"]]
         for band in columns:
             cells.append(shown(row.get(f"{band}_mean", ""), row.get(f"{band}_low", ""), row.get(f"{band}_high", ""),
-                               signed=band.startswith("cost")))
+                               signed=band.startswith("cost"), digits=0 if band.startswith("effective") else 3))
         for region, d in gain_columns:
             g = by_cell.get((row["label"], region, d))
             cells.append("-" if g is None else shown(g["gain"], g["low"], g["high"], signed=True))
