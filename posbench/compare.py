@@ -151,12 +151,18 @@ def _label_facets(facets: Sequence[dict[str, Any]]) -> list[list[str]]:
     return [differ, full]
 
 
+SHOWN_FACETS = ("model.attention_window",)
+"""Facets a label always shows when set (not None), whatever the other groups: a windowed run is
+another model (the window baseline), never just ``rope`` because no plain rope run is beside it."""
+
+
 def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
     """Groups keyed by label, in method registry order: runs that differ only by seed (see
     :func:`run_facets`). A method with one group is labelled by its name; otherwise each label
     lists the facets that differ between that method's groups (``model.flavour`` for the model
     settings that follow from the preset, as long as the labels stay apart), and a repeated
-    seed's group ``copy n``. Labels are unique: a group never replaces another."""
+    seed's group ``copy n``. A :data:`SHOWN_FACETS` facet that is set is always in the label.
+    Labels are unique: a group never replaces another."""
     all_facets = [run_facets(run) for run in runs]
     names = sorted({n for f in all_facets for n in f})  # every run gets every key (ABSENT: not recorded)
     by_key: dict[tuple[str, str], list[RunRecord]] = {}
@@ -184,7 +190,8 @@ def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
         candidates = _label_facets([facets_of[k] for k in keys]) if len(keys) > 1 else [[]]
         for differ in candidates:
             for g in mine:
-                parts = [f"{n}={_shown(g.facets[n])}" for n in differ] + ([f"copy {g.copy}"] if g.copy > 1 else [])
+                shown = [*differ, *(n for n in SHOWN_FACETS if n not in differ and g.facets.get(n) not in (None, ABSENT))]
+                parts = [f"{n}={_shown(g.facets[n])}" for n in shown] + ([f"copy {g.copy}"] if g.copy > 1 else [])
                 g.label = f"{method}[{','.join(parts)}]" if parts else method
             if len({g.label for g in mine}) == len(mine):
                 break

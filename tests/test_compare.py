@@ -341,3 +341,24 @@ def test_labels_that_print_alike_never_replace_a_group(tmp_path: Path) -> None:
     groups = group_runs(discover_runs([tmp_path / "s"])[0])
     assert sorted(groups) == ["rope[base=2]", "rope[base=2]#2"]
     assert sorted(r.path.name for g in groups.values() for r in g.runs) == ["int", "text"]
+
+
+def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
+    """The window baseline without a plain rope run beside it was labelled just ``rope`` (a
+    method with one group takes its name), so its numbers read as plain rope's."""
+    from posbench.compare import group_runs
+
+    def windowed(name: str, seed: int, window: int | None) -> None:
+        make_run(tmp_path / name, "rope", seed)
+        results = json.loads((tmp_path / name / "results.json").read_text())
+        results["model"]["attention_window"] = window
+        write_results(tmp_path / name, results)
+
+    for seed in (0, 1):
+        windowed(f"w/rope-w256-s{seed}", seed, 256)
+    assert sorted(group_runs(discover_runs([tmp_path / "w"])[0])) == ["rope[model.attention_window=256]"]
+    windowed("w/rope-s0", 0, None)  # beside the plain model: the same label, the plain one unchanged
+    groups = group_runs(discover_runs([tmp_path / "w"])[0])
+    assert sorted(groups) == ["rope[model.attention_window=256]", "rope[model.attention_window=none]"]
+    windowed("p/rope-s0", 0, None)  # a plain run alone is just rope
+    assert sorted(group_runs(discover_runs([tmp_path / "p"])[0])) == ["rope"]
