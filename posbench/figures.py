@@ -77,6 +77,20 @@ def new_figure(width: float = 8.0, height: float = 5.0) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
+LEGEND_ONE_COLUMN = 18
+"""A legend of more entries than this takes two columns (:func:`legend_outside`)."""
+
+
+def legend_outside(ax: Any, fontsize: float = 8, **kwargs: Any) -> Any:
+    """The legend to the right of the axes, never over the data (None without labelled artists)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles and "handles" not in kwargs:
+        return None
+    count = len(kwargs.get("handles", handles))
+    return ax.legend(*(() if "handles" in kwargs else (handles, labels)), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                     borderaxespad=0.0, fontsize=fontsize, ncols=1 if count <= LEGEND_ONE_COLUMN else 2, **kwargs)
+
+
 def save(fig: Figure, out_dir: Path, stem: str, formats: Sequence[str]) -> list[Path]:
     """Write ``fig`` as ``<out_dir>/<stem>.<fmt>`` for every format, atomically."""
     written = []
@@ -95,4 +109,5 @@ def no_data(fig: Figure, ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
-__all__ = ["FORMATS", "MARKERS", "check_formats", "colour_of", "line_styles", "new_figure", "no_data", "palette", "save"]
+__all__ = ["FORMATS", "LEGEND_ONE_COLUMN", "MARKERS", "check_formats", "colour_of", "legend_outside", "line_styles", "new_figure",
+           "no_data", "palette", "save"]

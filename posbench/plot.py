@@ -68,7 +68,9 @@ from posbench.compare import (
     summary_markdown,
 )
 from posbench.errors import PosbenchError, one_line
-from posbench.figures import FORMATS, check_formats, line_styles, new_figure, no_data, save
+from posbench.figures import (
+    FORMATS, LEGEND_ONE_COLUMN, check_formats, legend_outside, line_styles, new_figure, no_data, save,
+)
 from posbench.io import write_text_atomic
 from posbench.plot_extension import plot_extensions
 from posbench.plot_probes import plot_probes
@@ -90,16 +92,6 @@ HEADLINE_SPLIT = "validation"
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _legend_outside(ax, fontsize: float = 8, **kwargs: Any):
-    """The legend to the right of the axes, never over the data (None without labelled artists)."""
-    handles, labels = ax.get_legend_handles_labels()
-    if not handles and "handles" not in kwargs:
-        return None
-    count = len(kwargs.get("handles", handles))
-    return ax.legend(*(() if "handles" in kwargs else (handles, labels)), loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                     borderaxespad=0.0, fontsize=fontsize, ncols=1 if count <= 18 else 2, **kwargs)
 
 
 def _seeds_note(counts: Sequence[int]) -> str:
@@ -183,7 +175,7 @@ def train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], t
     ax.set_ylabel("loss (nats)")
     ax.set_title(f"{title}\nEMA {TRAIN_EMA} of logged loss (faint: raw); dots: validation loss", fontsize=10)
     ax.grid(alpha=0.3)
-    _legend_outside(ax)
+    legend_outside(ax)
     return fig
 
 
@@ -214,7 +206,7 @@ def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int]
                      clip: bool = True):
     """``curves``: group label -> per-seed curves of ``length`` positions; ``windowed`` (same
     keys) adds the like-for-like curves, dashed, past the training context."""
-    fig = new_figure(9.0, 5.0)
+    fig = new_figure(9.0 if len(curves) < LEGEND_ONE_COLUMN else 13.0, 5.0)  # room for a 2-column legend
     ax = fig.add_subplot()
     window = max(1, length // 64)
     x = np.arange(length)
@@ -244,7 +236,7 @@ def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int]
     ax.set_ylabel(ylabel)
     ax.set_xlim(0, length)
     ax.grid(alpha=0.3)
-    _legend_outside(ax)
+    legend_outside(ax)
     return fig
 
 
@@ -285,7 +277,7 @@ def training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]],
         ax.set_xlabel("training tokens")
         ax.set_ylabel("loss (nats)")
         ax.grid(alpha=0.3)
-        _legend_outside(ax)
+        legend_outside(ax)
     ax.set_title(f"{title}\n{_seeds_note(counts)}", fontsize=10)
     return fig
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from posbench.compare import group_runs
-from posbench.figures import new_figure, save
+from posbench.figures import legend_outside, new_figure, save
 from posbench.io import write_text_atomic
 from posbench.probes import REACH_DEFINITION, entry_reach
 from posbench.results import RunRecord
@@ -170,7 +170,7 @@ def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
     # One colour per line of this figure (method variants and extensions share no colour).
     palette = colormaps["tab10" if len(groups) <= 10 else "tab20"]
     colours = {label: palette(i % palette.N) for i, label in enumerate(_sorted_labels(groups))}
-    fig = new_figure(11.0, 4.5)
+    fig = new_figure(13.0 if len(groups) > 10 else 11.5, 4.5)  # the legend sits right of the panels
     axes = fig.subplots(1, 2, sharey=True)
     context = next(iter(groups.values()))[0]["train_context"]
     for ax, region, title in zip(axes, ("inside", "past"), (f"repeat inside the context (t + k <= {context})",
@@ -199,7 +199,7 @@ def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str):
         ax.set_xlabel("distance d between the two copies (tokens)")
         ax.set_title(title, fontsize=10)
     axes[0].set_ylabel("copy gain (nats): control - repeat")
-    axes[1].legend(fontsize=7, loc="best")
+    legend_outside(axes[1], fontsize=7)
     fig.suptitle(f"Copy probe, {kind} spans: gain against distance (error bars: 95 % interval)")
     return fig
 

@@ -267,3 +267,10 @@ def test_sixteen_plus_curves_get_distinct_styles_and_the_legend_is_outside() -> 
     drawn = [line for line in ax.get_lines() if not line.get_label().startswith("_") and line.get_label() in labels]
     assert len({(tuple(line.get_color()), line.get_marker()) for line in drawn}) == len(labels)
     assert _legend_clear_of_data(fig, ax)
+    assert ax.get_legend()._ncols == 2  # more entries than LEGEND_ONE_COLUMN: two columns, a wider figure
+    curves[labels[0]] = curves[labels[0]] * 2  # mixed seed counts: the longest title
+    fig = position_figure(curves, [256], 512, "Loss by position (validation, length 512)")
+    ax = fig.axes[0]
+    assert _legend_clear_of_data(fig, ax)
+    title = ax.title.get_window_extent()  # the figure widens with the legend, so the title is not cut off
+    assert fig.bbox.x0 - 1 <= title.x0 and title.x1 <= fig.bbox.x1 + 1

@@ -330,6 +330,21 @@ def fake_probe_entry(gain: float, windows: str = "w64", num_windows: int = 64, *
             "windows_sha256": windows, "reach": {"random": 300}, "cells": cells, **extra}
 
 
+def test_the_gain_figure_keeps_its_legend_off_both_panels() -> None:
+    """24 groups (a full sweep and the window baseline): the legend sits right of the panels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from posbench.plot_probes import _gain_figure
+
+    groups = {f"method{i}": [fake_probe_entry(0.1 * i)] for i in range(24)}
+    fig = _gain_figure(groups, "random")
+    FigureCanvasAgg(fig).draw()  # lays the figure out as savefig does
+    legend = fig.axes[1].get_legend()
+    assert len(legend.get_texts()) == 24
+    box = legend.get_window_extent()
+    assert box.x1 <= fig.bbox.x1 + 1 and not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+
+
 def test_a_probe_measured_otherwise_is_kept_beside_the_runs_entry() -> None:
     """``posbench eval eval.copy.num_windows=8`` never silently replaces the training-time
     64-window entry (and its reach): it is stored beside it as a variant; eval.replace=true
