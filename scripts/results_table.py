@@ -1,6 +1,6 @@
 """The README's results table: loss bands, extrapolation cost and copy gain per method.
 
-    python scripts/results_table.py COMPARISON_DIR [--distances 32,320] [--kind random]
+    python scripts/results_table.py COMPARISON_DIR [--distances 32,320] [--kind random] [--label GROUP=SHOWN ...]
 
 Reads ``bands.csv`` and ``copy.csv`` of a ``posbench plot`` output (the same runs) and prints a
 markdown table, one row per group sorted by the first band past the training context C: seeds, every loss band
@@ -9,6 +9,7 @@ evaluated length, and the copy gain of ``--kind`` spans at the
 smallest distance inside the context and at ``--distances`` past it (a repeat whose copy lies
 past C, docs/probes.md). Every value is ``mean ± half-width`` of its 95 % interval, as the CSVs
 hold it (t across seeds, or the bootstrap of one seed); ``-`` where a group has no such value.
+``--label`` shows a group under another name (e.g. ``rope[model.attention_window=none]=rope``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def band_columns(row: dict[str, str]) -> list[str]:
     return plain + [f"cost_{n}" for n in plain if f"cost_{n}" in names] + longest
 
 
-def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distances: list[int], kind: str) -> str:
+def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distances: list[int], kind: str,
+          labels: dict[str, str] | None = None) -> str:
     columns = band_columns(bands[0]) if bands else []
     headline = next((c for c in columns if not c.startswith(("0-", "cost_"))), None)  # C-2C: the first band past C
     by_cell = gains(copy_rows, kind)
@@ -64,7 +66,7 @@ def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distance
         return float(row[f"{headline}_mean"]) if headline and row.get(f"{headline}_mean") else float("inf")
 
     for row in sorted(bands, key=order):
-        cells = [row["label"], row["seeds"]]
+        cells = [(labels or {}).get(row["label"], row["label"]), row["seeds"]]
         for band in columns:
             cells.append(shown(row.get(f"{band}_mean", ""), row.get(f"{band}_low", ""), row.get(f"{band}_high", ""),
                                signed=band.startswith("cost"), digits=0 if band.startswith("effective") else 3))
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("comparison", type=Path, help="a posbench plot output with bands.csv and copy.csv")
     parser.add_argument("--distances", default="32,320", help="copy distances past the context, comma-separated")
     parser.add_argument("--kind", default="random", choices=("random", "text"), help="copy probe span kind")
+    parser.add_argument("--label", action="append", default=[], metavar="GROUP=SHOWN",
+                        help="show GROUP (a bands.csv label) as SHOWN; repeatable")
     args = parser.parse_args(argv)
     missing = [name for name in ("bands.csv", "copy.csv") if not (args.comparison / name).is_file()]
     if missing:
@@ -88,7 +92,17 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     distances = [int(d) for d in args.distances.split(",") if d]
-    print(table(read_csv(args.comparison / "bands.csv"), read_csv(args.comparison / "copy.csv"), distances, args.kind))
+    bands = read_csv(args.comparison / "bands.csv")
+    groups = sorted((row["label"] for row in bands), key=len, reverse=True)  # labels may hold "=" themselves
+    labels = {}
+    for item in args.label:
+        group = next((g for g in groups if item.startswith(g + "=") and len(item) > len(g) + 1), None)
+        if group is None:
+            print(f"results_table: --label {item!r} is not GROUP=SHOWN with GROUP one of the groups of "
+                  f"{args.comparison / 'bands.csv'}: {', '.join(row['label'] for row in bands)}", file=sys.stderr)
+            return 2
+        labels[group] = item[len(group) + 1:]
+    print(table(bands, read_csv(args.comparison / "copy.csv"), distances, args.kind, labels))
     return 0
 
 

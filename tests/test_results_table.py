@@ -43,3 +43,14 @@ def test_a_folder_without_the_csvs_is_one_line_and_exit_2(tmp_path, capsys):
     assert results_table.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "posbench plot" in err and "eval.probes=[copy]" in err
+
+
+def test_labels_rename_groups_and_a_wrong_one_is_one_line(tmp_path, capsys):
+    folder = str(write(tmp_path))
+    assert results_table.main([folder, "--label", "rope=rope (C = 256)", "--label", "alibi=ALiBi"]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == ["| ALiBi", "| rope (C = 256)"]
+    for wrong in (["--label", "rope"], ["--label", "rope="], ["--label", "t5=T5"]):
+        assert results_table.main([folder, *wrong]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"--label {wrong[1]!r} is not GROUP=SHOWN" in err and "rope, alibi" in err
