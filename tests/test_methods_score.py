@@ -93,6 +93,19 @@ def test_fire_keeps_out_of_flex_whose_backward_cannot_train_it():
         resolve_backend("flex", m, CUDA)
 
 
+@pytest.mark.parametrize("name,why", [("t5", "does not compile t5's table gather"), ("kerple", "'s backward sums kerple's per-head scalars")])
+def test_t5_and_kerple_keep_out_of_flex(name, why):
+    """Measured on an H100 (docs/benchmarks.md): t5 in compiled flex ran out of shared memory at head
+    dim 64, kerple's flex backward ran at 5 % of rope (atomics into H scalars); SDPA kept pace with
+    rope for both. auto picks SDPA on CUDA, asking for flex is one line, wrappers inherit it."""
+    m = make(name)
+    assert resolve_backend("auto", m, CUDA) == "sdpa" and resolve_backend("auto", m, CPU) == "sdpa"
+    with pytest.raises(PosbenchError, match=f"model.attention=flex cannot run method={name}: FlexAttention ?{why}"):
+        resolve_backend("flex", m, CUDA)
+    assert resolve_backend("auto", make("ssmax", base=name), CUDA) == "sdpa"
+    assert resolve_backend("auto", make("alibi"), CUDA) == "flex"  # score terms without such parameters stay in flex
+
+
 def test_fox_and_kerple_score_functions_hold_no_tensor_that_flex_saves_and_a_later_layer_mutates():
     """On an H100 flex's backward failed for kerple (a view of r1 saved by layer 0, then clamped in
     place by layer 1's projection) and fox (one grad-requiring tensor indexed twice). The score

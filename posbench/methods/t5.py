@@ -69,6 +69,14 @@ class T5Bias(PositionMethod):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.bias.weight, std=self.init_std)
 
+    def backend_limits(self) -> dict[str, str]:
+        # Seen on an H100 (torch 2.11, model=small, head dim 64): the compiled FlexAttention
+        # forward needs 240 KiB of shared memory (limit 227 KiB), so no Triton config compiles;
+        # with fewer stages it compiles but a step takes ~100x rope's, as the backward gathers the
+        # gradient of the 32 x H table by atomics. SDPA with the dense term ran at rope's speed.
+        return {"flex": "FlexAttention does not compile t5's table gather at head dim 64 on an H100 "
+                        "(out of shared memory) and its backward is ~100x slower than SDPA's"}
+
     def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
         table = self.bias.weight if self.bias_scale == 1.0 else self.bias.weight * self.bias_scale  # (buckets, H)
         num_buckets, max_distance = self.num_buckets, self.max_distance
