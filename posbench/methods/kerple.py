@@ -52,11 +52,12 @@ class Kerple(PositionMethod):
         self.project_()
 
     def backend_limits(self) -> dict[str, str]:
-        # Seen on an H100 (torch 2.11, model=small): compiled FlexAttention's backward sums the
-        # gradient of r1, r2 (H scalars a layer) by atomics from every (query, key) pair into H
-        # addresses: 249 ms a step, 5 % of rope's 12 ms. SDPA with the dense term kept pace with rope.
-        return {"flex": "FlexAttention's backward sums kerple's per-head scalars by atomics "
-                        "(5% of rope's speed on an H100); SDPA runs at rope's"}
+        # Seen on an H100 (torch 2.11, model=small): compiled FlexAttention trained at 249 ms a
+        # step, 5 % of rope's 12 ms, likely as its backward sums the gradient of r1, r2 (H scalars
+        # a layer) by atomics from every (query, key) pair. SDPA with the dense term kept pace with
+        # rope under load (docs/benchmarks.md).
+        return {"flex": "FlexAttention's backward sums kerple's per-head scalars "
+                        "(5% of rope's speed on an H100); SDPA kept pace with rope"}
 
     @torch.no_grad()
     def project_(self) -> None:

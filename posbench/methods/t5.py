@@ -72,10 +72,11 @@ class T5Bias(PositionMethod):
     def backend_limits(self) -> dict[str, str]:
         # Seen on an H100 (torch 2.11, model=small, head dim 64): the compiled FlexAttention
         # forward needs 240 KiB of shared memory (limit 227 KiB), so no Triton config compiles;
-        # with fewer stages it compiles but a step takes ~100x rope's, as the backward gathers the
-        # gradient of the 32 x H table by atomics. SDPA with the dense term ran at rope's speed.
+        # with fewer stages it compiles but a training step took ~16x SDPA's (both under load),
+        # likely as the backward accumulates the 32 x H table's gradient by atomics. SDPA with the
+        # dense term kept pace with rope under the same load (docs/benchmarks.md).
         return {"flex": "FlexAttention does not compile t5's table gather at head dim 64 on an H100 "
-                        "(out of shared memory) and its backward is ~100x slower than SDPA's"}
+                        "(out of shared memory) and trains ~16x slower than SDPA"}
 
     def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
         table = self.bias.weight if self.bias_scale == 1.0 else self.bias.weight * self.bias_scale  # (buckets, H)
