@@ -2,9 +2,10 @@
 
     python scripts/mqar_diagnosis.py <run dir of task=assoc_recall, with a checkpoint> [--sequences 400]
 
-Every key of an MQAR sequence is queried once (posbench.tasks.generators.AssocRecall), so the j-th
-query (j = 0 .. N-1) can be answered without reading its key: pick a value whose key has not been
-queried yet, which is right with probability 1 / (N - j). This prints the run's accuracy by query
+Every key of an MQAR sequence is queried once and each query ``k v`` shows its value
+(posbench.tasks.generators.AssocRecall), so the j-th query (j = 0 .. N-1) can be answered without
+reading its key: pick a value not yet shown in the query region, which is right with probability
+1 / (N - j). This prints the run's accuracy by query
 rank next to that elimination baseline, and how many predictions are values of keys not yet queried.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ def profile(predict, task, sequences: int = 400) -> tuple[dict[int, float], floa
     """``predict``: (N, C) input ids -> (N, C) predicted next ids. Returns the accuracy by query
     rank j and the share of predictions that are the value of a key not yet queried."""
     context = task.context
-    batch = task.generate(np.random.default_rng([task.seed, 7, context]), sequences, context, "test")
+    batch = task.generate(np.random.default_rng([task.seed, 7, context]), sequences, context, "test")  # own stream
     x, _ = batch.inputs_targets()
     pred = np.asarray(predict(x))  # (N, C)
     tokens, pairs = batch.tokens, task.pairs(context)

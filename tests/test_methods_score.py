@@ -93,7 +93,8 @@ def test_fire_keeps_out_of_flex_whose_backward_cannot_train_it():
         resolve_backend("flex", m, CUDA)
 
 
-@pytest.mark.parametrize("name,why", [("t5", "does not compile t5's table gather"), ("kerple", "'s backward sums kerple's per-head scalars")])
+@pytest.mark.parametrize("name,why", [("t5", "does not compile t5's table gather"),
+                                      ("kerple", "'s backward sums kerple's per-head scalars")])
 def test_t5_and_kerple_keep_out_of_flex(name, why):
     """Measured on an H100 (docs/benchmarks.md): t5 in compiled flex ran out of shared memory at head
     dim 64, kerple's flex training ran at 5 % of rope; SDPA kept pace with rope for both (under
