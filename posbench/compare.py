@@ -12,7 +12,12 @@ same seed are the same experiment twice, never two seeds: the repeat goes to a g
 labelled ``copy 2`` (by path order), and :func:`grouping_notes` says so.
 
 Every number is taken per run and then summarised with :mod:`posbench.stats`: a t-interval across
-seeds (>= 2 runs) or a bootstrap over the sequences of the single run. Bands come from the run's own
+seeds (>= 2 runs); a group of one seed gets its bootstrap over sequences widened by the
+between-seed sd pooled over the groups of the same table that have >= 2 seeds (kind ``1 seed``;
+the bootstrap alone when no group has). Differences are paired by seed; a pair with one common
+seed gets that seed's difference, marked ``1 seed``, with an interval widened by the between-seed
+sd of the paired differences pooled over the pairs of the same table with >= 2 common seeds
+(none when no pair has), and never a verdict: one seed orders nothing. Bands come from the run's own
 entries (not those `posbench eval` added later), from the shortest evaluated length that holds them
 (like the band figure); the scalars of the longest length (cumulative perplexity, effective
 length) are named after it.
@@ -34,7 +39,16 @@ import numpy as np
 from posbench.methods import list_methods, saved_options
 from posbench.results import RunRecord, headline_entries, plain_entries
 from posbench.settings import RESULT_SETTINGS
-from posbench.stats import Interval, across_runs, paired_difference
+from posbench.stats import (
+    ONE_SEED,
+    Interval,
+    SeedSpread,
+    across_runs,
+    bootstrap_interval,
+    one_seed_interval,
+    paired_difference,
+    pooled_seed_sd,
+)
 
 HEADLINE_SPLIT = "validation"
 # Model keys that are results, not settings (they differ when the vocabulary does, which the
@@ -315,23 +329,35 @@ class Row:
     intervals: dict[str, Interval]
     std: dict[str, float | None]
     """Sample standard deviation (n - 1) of each metric across the group's runs (None below 2)."""
+    spreads: dict[str, SeedSpread] = field(default_factory=dict)
+    """The pooled between-seed sd a one-seed group's ``1 seed`` intervals are widened by, per metric."""
 
 
 def summary_rows(groups: dict[str, Group], split: str, headline: str) -> tuple[list[str], list[Row]]:
     """(metric names, one row per group): each metric's mean and interval over the group's runs,
-    rows sorted by the headline band."""
+    rows sorted by the headline band. A group of one seed gets its bootstrap over sequences
+    widened by the between-seed sd pooled over the groups with >= 2 seeds (:func:`one_seed_interval`)."""
     per_group = {label: [run_values(r, split) for r in g.runs] for label, g in groups.items()}
     metrics = sorted({m for runs in per_group.values() for v in runs for m in v}, key=_metric_key)
+    spreads = {metric: pooled_seed_sd([v[metric].value for v in runs if metric in v] for runs in per_group.values())
+               for metric in metrics}
     rows = []
     for label, runs in per_group.items():
-        intervals, std = {}, {}
+        intervals, std, widened = {}, {}, {}
         for metric in metrics:
             present = [v[metric].value for v in runs if metric in v]
-            if present:
-                first = next(v[metric] for v in runs if metric in v)
+            if not present:
+                continue
+            first = next(v[metric] for v in runs if metric in v)
+            spread = spreads[metric]
+            if len(present) == 1 and spread is not None:
+                sequences = bootstrap_interval(first.sequences) if first.sequences else None
+                intervals[metric] = one_seed_interval(present[0], sequences, spread)
+                widened[metric] = spread
+            else:  # seeds; or one seed with no group to estimate the seed spread from: sequences only
                 intervals[metric] = across_runs(present, first.sequences)
-                std[metric] = float(np.std(present, ddof=1)) if len(present) >= 2 else None
-        rows.append(Row(label, groups[label].method, len(runs), intervals, std))
+            std[metric] = float(np.std(present, ddof=1)) if len(present) >= 2 else None
+        rows.append(Row(label, groups[label].method, len(runs), intervals, std, widened))
     rows.sort(key=lambda r: r.intervals[f"band:{headline}"].mean if f"band:{headline}" in r.intervals else math.inf)
     return metrics, rows
 
@@ -342,23 +368,47 @@ class Pair:
     a: str
     b: str
     difference: Interval
+    seeds: list[str] = field(default_factory=list)
+    """The seeds both groups have, which the difference is paired over."""
+    spread: SeedSpread | None = None
+    """With one common seed: the pooled between-seed sd of paired differences its interval is
+    widened by (None: no pair of the table has >= 2 common seeds, so no interval)."""
+
+
+def _pair_spread(seeds_of: dict[tuple[str, str], dict[str, float]]) -> SeedSpread | None:
+    """The between-seed sd of paired differences, pooled over the pairs with >= 2 common seeds.
+    The pairs share groups, so their degrees of freedom are capped at what the groups hold:
+    sum over groups of (n_g - 1) minus (max n_g - 1), i.e. (k - 1)(n - 1) for k groups of n seeds."""
+    multi = {pair: diffs for pair, diffs in seeds_of.items() if len(diffs) >= 2}
+    seeds_per_group: dict[str, set[str]] = {}
+    for (a, b), diffs in multi.items():
+        seeds_per_group.setdefault(a, set()).update(diffs)
+        seeds_per_group.setdefault(b, set()).update(diffs)
+    counts = [len(seeds) for seeds in seeds_per_group.values()]
+    cap = sum(n - 1 for n in counts) - (max(counts) - 1) if counts else None
+    return pooled_seed_sd((list(diffs.values()) for diffs in multi.values()), max_df=cap)
 
 
 def paired_rows(groups: dict[str, Group], split: str, metrics: Sequence[str]) -> list[Pair]:
-    """A minus B for every pair of groups and each of ``metrics``, paired by seed (>= 2 common
-    seeds) or by sequence within one common seed when both scored the same windows."""
+    """A minus B for every pair of groups and each of ``metrics``, paired by seed: a t-interval
+    over >= 2 common seeds; with one common seed that seed's difference, its interval (the
+    bootstrap over the paired sequences when both scored the same windows) widened by the
+    pooled between-seed sd of the metric's other pairs (:func:`_pair_spread`), and no verdict."""
     per_group = {label: {str(r.seed): run_values(r, split) for r in g.runs} for label, g in groups.items()}
     pairs = []
     for metric in metrics:
-        for a, b in combinations(per_group, 2):
-            va = {s: v[metric] for s, v in per_group[a].items() if metric in v}
-            vb = {s: v[metric] for s, v in per_group[b].items() if metric in v}
-            same_windows = {s for s in va if s in vb and va[s].windows is not None and va[s].windows == vb[s].windows}
+        values = {label: {s: v[metric] for s, v in runs.items() if metric in v} for label, runs in per_group.items()}
+        common = {(a, b): [s for s in values[a] if s in values[b]] for a, b in combinations(per_group, 2)}
+        spread = _pair_spread({(a, b): {s: values[a][s].value - values[b][s].value for s in seeds}
+                               for (a, b), seeds in common.items()})
+        for (a, b), seeds in common.items():
+            va, vb = values[a], values[b]
+            same_windows = {s for s in seeds if va[s].windows is not None and va[s].windows == vb[s].windows}
             diff = paired_difference({s: v.value for s, v in va.items()}, {s: v.value for s, v in vb.items()},
                                      {s: va[s].sequences for s in same_windows},
-                                     {s: vb[s].sequences for s in same_windows})
+                                     {s: vb[s].sequences for s in same_windows}, spread=spread)
             if diff is not None:
-                pairs.append(Pair(metric, a, b, diff))
+                pairs.append(Pair(metric, a, b, diff, seeds, spread if len(seeds) == 1 else None))
     return pairs
 
 
@@ -376,6 +426,9 @@ def _how(row: Row) -> str:
     kinds = {i.kind for i in row.intervals.values()}
     if "t" in kinds:
         return f"t, {row.seeds} seeds"
+    if ONE_SEED in kinds:
+        groups = max(spread.samples for spread in row.spreads.values())
+        return f"1 seed: sequences + seed sd of {groups} groups"
     if "bootstrap" in kinds:
         n = max(i.n for i in row.intervals.values() if i.kind == "bootstrap")
         return f"bootstrap, {n} seqs"
@@ -390,7 +443,9 @@ def summary_markdown(metrics: Sequence[str], rows: Sequence[Row], split: str, he
     ratio = f"ppl_ratio:{headline}"
     lines = [
         f"Mean next-token loss (nats) on the `{split}` split, mean ± half-width of the 95 % interval "
-        "(t across seeds with >= 2 seeds; with one seed a bootstrap over the evaluated sequences). "
+        "(t across seeds with >= 2 seeds; with one seed a bootstrap over the evaluated sequences, "
+        "widened by the between-seed sd pooled over the groups with >= 2 seeds when there are any: "
+        "one seed's interval over sequences alone is several times too narrow). "
         "Band `a-b` = positions a..b-1, from the shortest evaluated length containing it. "
         "**cost** = full-context loss minus the loss of the same targets seen through windows of "
         f"the training context (positive: the long context hurts). Sorted by `{headline}`.",
@@ -440,23 +495,35 @@ def summary_csv(metrics: Sequence[str], rows: Sequence[Row], groups: dict[str, G
     return buffer.getvalue()
 
 
-def _verdict(interval: Interval) -> str:
-    if interval.distinguishable is None:
+def _verdict(pair: Pair) -> str:
+    d = pair.difference
+    if d.kind == ONE_SEED:
+        return "none: 1 seed"
+    if d.distinguishable is None:
         return "no interval"
-    return "yes" if interval.distinguishable else "not distinguishable"
+    return "yes" if d.distinguishable else "not distinguishable"
 
 
-def _how_pair(interval: Interval) -> str:
-    return {"t": f"t, {interval.n} seeds paired", "bootstrap": f"bootstrap, {interval.n} paired seqs"}.get(
-        interval.kind, "one value")
+def _how_pair(pair: Pair) -> str:
+    d = pair.difference
+    if d.kind == ONE_SEED:
+        seed = f"1 seed (seed {pair.seeds[0]})" if pair.seeds else "1 seed"
+        if pair.spread is None:
+            return f"{seed}; no pair with 2 seeds to estimate the seed spread from"
+        return f"{seed}; seed sd {pair.spread.sd:.4f} of {pair.spread.samples} pairs, df {pair.spread.df}"
+    return {"t": f"t, {d.n} seeds paired", "bootstrap": f"bootstrap, {d.n} paired seqs"}.get(d.kind, "one value")
 
 
 def paired_markdown(pairs: Sequence[Pair]) -> str:
-    """A table of differences ``A - B`` with their 95 % interval and whether it excludes 0."""
+    """A table of differences ``A - B`` with their 95 % interval and, over >= 2 seeds, whether
+    it excludes 0; a one-seed difference gets no verdict."""
     lines = [
-        "Differences A - B in nats (negative: A is better), 95 % interval of the paired difference: "
-        "across seeds paired by seed (t), or with one common seed paired by sequence on the same "
-        "windows (bootstrap). **not distinguishable** = the interval contains 0.",
+        "Differences A - B in nats (negative: A is better), 95 % interval of the paired difference "
+        "across seeds, paired by seed (t). **not distinguishable** = the interval contains 0. "
+        "A pair with one common seed orders nothing: its difference is that seed's, marked "
+        "**1 seed**, its interval the bootstrap over the paired sequences widened by the "
+        "between-seed sd of the paired differences pooled over the pairs with >= 2 common seeds "
+        "(none when no pair has them), and it gets no verdict.",
         "",
         "| metric | A | B | A - B | 95 % interval | paired over | distinguishable |",
         "|---|---|---|---:|---|---|---|",
@@ -464,21 +531,26 @@ def paired_markdown(pairs: Sequence[Pair]) -> str:
     for p in pairs:
         d = p.difference
         shown = "-" if d.low is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
-        lines.append(f"| {p.metric} | {p.a} | {p.b} | {d.mean:+.4f} | {shown} | {_how_pair(d)} | {_verdict(d)} |")
+        mean = f"{d.mean:+.4f} (1 seed)" if d.kind == ONE_SEED else f"{d.mean:+.4f}"
+        lines.append(f"| {p.metric} | {p.a} | {p.b} | {mean} | {shown} | {_how_pair(p)} | {_verdict(p)} |")
     if not pairs:
         lines.append("| - | - | - | - | - | - | fewer than two groups share a seed |")
     return "\n".join(lines) + "\n"
 
 
 def paired_csv(pairs: Sequence[Pair]) -> str:
+    """One row per pair and metric; ``distinguishable`` is empty for a ``1 seed`` difference
+    (no verdict), ``seeds`` the common seeds, ``seed_sd``/``seed_df`` its widening spread."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["metric", "a", "b", "difference", "low", "high", "n", "kind", "distinguishable"])
+    writer.writerow(["metric", "a", "b", "difference", "low", "high", "n", "kind", "distinguishable", "seeds",
+                     "seed_sd", "seed_df"])
     for p in pairs:
         d = p.difference
         writer.writerow([p.metric, p.a, p.b, repr(d.mean), "" if d.low is None else repr(d.low),
                          "" if d.high is None else repr(d.high), d.n, d.kind,
-                         "" if d.distinguishable is None else str(d.distinguishable).lower()])
+                         "" if d.distinguishable is None else str(d.distinguishable).lower(), " ".join(p.seeds),
+                         "" if p.spread is None else repr(p.spread.sd), "" if p.spread is None else p.spread.df])
     return buffer.getvalue()
 
 

@@ -25,14 +25,16 @@
   the extrapolation cost (full minus windowed loss) and P(l), with the same bands.
 - ``band_<C>_<2C>.<fmt>`` (``band_256_512``): grouped bars per group of the ``0-C`` and
   ``C-2C`` band means, error bars = 95 % interval (t across seeds; one seed: bootstrap over
-  sequences).
+  sequences, widened by the between-seed sd pooled over the groups with seeds when there are any).
 - ``bands.md`` / ``bands.csv``: one row per group (runs that differ only by seed; see
   :mod:`posbench.compare`), every band's mean and 95 % interval, the cost per band, PPL ratio,
   cumulative perplexity and effective length, sorted by the headline band; each band comes from
   the shortest evaluated length that contains it. ``bands.md`` also holds the paired differences
   on the headline band and lists missing/failed runs.
 - ``paired.md`` / ``paired.csv``: A - B for every pair of groups, on every band past the context
-  (loss and cost), with the paired 95 % interval and whether it excludes 0.
+  (loss and cost), with the paired 95 % interval and, over >= 2 common seeds, whether it excludes
+  0; a pair with one common seed is marked ``1 seed`` and gets no verdict
+  (:mod:`posbench.compare`).
 - ``copy_gain_<kind>.<fmt>``, ``copy.md`` / ``copy.csv``: the copy probe (posbench.plot_probes),
   only when some run has ``probes`` entries.
 
@@ -339,8 +341,10 @@ def band_figure(rows: Sequence[Row], inner: str, headline: str, title: str):
         pad = 0.15 * max(high - low, 0.02 * high)
         ax.set_ylim(low - pad, high + 2 * pad)  # room above for the value labels
         start = f"\ny-axis starts at {low - pad:.2f}, not 0"
-    ax.set_title(f"{title}\nerror bars: 95% interval (t across seeds; one seed: bootstrap over sequences){start}",
-                 fontsize=10)
+    kinds = {i.kind for row in rows for i in row.intervals.values()}
+    one_seed = ("bootstrap over sequences widened by the pooled seed sd" if "1 seed" in kinds
+                else "bootstrap over sequences, no seed noise")
+    ax.set_title(f"{title}\nerror bars: 95% interval (t across seeds; one seed: {one_seed}){start}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     return fig
 

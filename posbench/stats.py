@@ -7,11 +7,17 @@ Two sources of noise matter in posbench and each has its interval:
   another training run give the same number?".
 - **One seed**: a percentile bootstrap over the evaluated sequences, using the per-sequence band
   means stored in results.json. It only measures which windows were evaluated, not training
-  noise, so it is narrower than a seed interval; tables say which one they show.
+  noise: on the cpu_quick runs it is 3-9x narrower than the spread between seeds. So a one-seed
+  value is *widened* by the between-seed sd pooled over the values that do have seeds
+  (:func:`pooled_seed_sd`, :func:`one_seed_interval`): half-width
+  ``sqrt(bootstrap half-width^2 + (t_df * pooled sd)^2)``, kind ``1 seed``.
 
-Differences between two methods are *paired*: across seeds by seed (method A seed 1 minus method
-B seed 1, ...), and within one seed by sequence (both runs scored the same windows). A difference
-whose interval contains 0 is reported as not distinguishable.
+Differences between two methods are *paired*: by seed over the seeds both have (a t-interval over
+the per-seed differences, which holds the between-seed variance). With one common seed the
+difference is that seed's, with an interval widened as above by the pooled between-seed sd of
+paired differences, or none when no pair has two seeds to estimate it from; it never gets a
+verdict (:attr:`Interval.distinguishable` is None), because one seed cannot order two methods.
+A difference over >= 2 seeds whose interval contains 0 is reported as not distinguishable.
 
 No scipy: the t quantile comes from the closed-form Student-t distribution function for integer
 degrees of freedom (Abramowitz & Stegun 26.7.3-26.7.4), inverted by bisection.
@@ -21,13 +27,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 LEVEL = 0.95
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
+ONE_SEED = "1 seed"
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,8 @@ class Interval:
     n: int
     """Number of values the interval is over (seeds, or sequences for a bootstrap)."""
     kind: str
-    """``t`` (Student-t over seeds), ``bootstrap`` (over sequences, one seed) or ``none``."""
+    """``t`` (Student-t over seeds), ``bootstrap`` (over sequences, one seed), ``1 seed`` (one
+    seed's value widened by a pooled between-seed sd: never a verdict) or ``none``."""
 
     @property
     def half_width(self) -> float | None:
@@ -49,8 +57,9 @@ class Interval:
 
     @property
     def distinguishable(self) -> bool | None:
-        """Whether the interval excludes 0 (None when there is no interval)."""
-        if self.low is None or self.high is None:
+        """Whether the interval excludes 0 (None when there is no interval, and for a ``1 seed``
+        value, which orders nothing)."""
+        if self.low is None or self.high is None or self.kind == ONE_SEED:
             return None
         return not (self.low <= 0.0 <= self.high)
 
@@ -143,13 +152,56 @@ def across_runs(run_values: Sequence[float], sequence_values: Sequence[float] | 
     return bootstrap_interval(sequence_values, level)
 
 
+@dataclass(frozen=True)
+class SeedSpread:
+    """The between-seed sd of a quantity, pooled over the samples that have >= 2 seeds."""
+
+    sd: float
+    df: int
+    """Degrees of freedom of the pooled variance (what the t multiplier uses)."""
+    samples: int
+    """How many samples (groups, or pairs of groups) it was pooled over."""
+
+
+def pooled_seed_sd(samples: Iterable[Sequence[float]], max_df: int | None = None) -> SeedSpread | None:
+    """Pooled sd ``sqrt(sum_i sum_s (x_is - mean_i)^2 / sum_i (n_i - 1))`` over the ``samples``
+    (one value per seed each) with >= 2 values; None when none has. ``max_df`` caps the degrees
+    of freedom where the samples are not independent (differences sharing a group)."""
+    squares, df, used = 0.0, 0, 0
+    for sample in samples:
+        x = np.asarray(sample, dtype=np.float64)
+        if x.size >= 2:
+            squares += float(((x - x.mean()) ** 2).sum())
+            df += x.size - 1
+            used += 1
+    if not df:
+        return None
+    return SeedSpread(math.sqrt(squares / df), max(1, min(df, max_df)) if max_df is not None else df, used)
+
+
+def one_seed_interval(value: float, sequences: Interval | None, spread: SeedSpread | None,
+                      level: float = LEVEL) -> Interval:
+    """One seed's ``value`` with a ``level`` interval for what another seed would give:
+    half-width ``sqrt(h_seq^2 + (t_df * spread.sd)^2)``, ``h_seq`` the half-width of the bootstrap
+    over its sequences (``sequences``; 0 without one). No interval without a ``spread``. Kind
+    ``1 seed``: it is never a verdict (:attr:`Interval.distinguishable` is None)."""
+    if spread is None:
+        return Interval(value, None, None, 1, ONE_SEED)
+    seq_half = (sequences.half_width if sequences is not None else None) or 0.0
+    half = math.hypot(seq_half, t_quantile(spread.df, level) * spread.sd)
+    return Interval(value, value - half, value + half, 1, ONE_SEED)
+
+
 def paired_difference(a_by_seed: dict[Any, float], b_by_seed: dict[Any, float],
                       a_sequences: dict[Any, Sequence[float]] | None = None,
                       b_sequences: dict[Any, Sequence[float]] | None = None,
-                      level: float = LEVEL) -> Interval | None:
-    """A minus B, paired: by seed over the seeds both have (>= 2), else by sequence within the
-    one common seed (both must hold per-sequence values of the same length, i.e. the same
-    windows). None when the two share no seed."""
+                      level: float = LEVEL, spread: SeedSpread | None = None) -> Interval | None:
+    """A minus B, paired by seed over the seeds both have: with >= 2 a t-interval over the
+    per-seed differences (between-seed variance included). With one common seed, that seed's
+    difference as a :func:`one_seed_interval` widened by ``spread`` (the pooled between-seed sd of
+    paired differences; no interval without it), its sequence part a bootstrap over the paired
+    per-sequence values when both hold them for the same windows (same length). None when the two
+    share no seed."""
     common = [s for s in a_by_seed if s in b_by_seed]
     if not common:
         return None
@@ -158,9 +210,10 @@ def paired_difference(a_by_seed: dict[Any, float], b_by_seed: dict[Any, float],
     seed = common[0]
     a_seq = (a_sequences or {}).get(seed)
     b_seq = (b_sequences or {}).get(seed)
+    sequences = None
     if a_seq is not None and b_seq is not None and len(a_seq) == len(b_seq) and len(a_seq) >= 2:
-        return bootstrap_interval(np.asarray(a_seq, dtype=np.float64) - np.asarray(b_seq, dtype=np.float64), level)
-    return Interval(a_by_seed[seed] - b_by_seed[seed], None, None, 1, "none")
+        sequences = bootstrap_interval(np.subtract(a_seq, b_seq, dtype=np.float64), level)
+    return one_seed_interval(a_by_seed[seed] - b_by_seed[seed], sequences, spread, level)
 
 
 def pointwise_t_band(curves: np.ndarray, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -190,5 +243,6 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
         return np.where(count > 0, (csum[hi] - csum[lo]) / np.maximum(count, 1), np.nan)
 
 
-__all__ = ["Interval", "LEVEL", "across_runs", "bootstrap_interval", "moving_average", "paired_difference",
-           "pointwise_t_band", "t_cdf_two_sided", "t_interval", "t_quantile"]
+__all__ = ["Interval", "LEVEL", "ONE_SEED", "SeedSpread", "across_runs", "bootstrap_interval", "moving_average",
+           "one_seed_interval", "paired_difference", "pointwise_t_band", "pooled_seed_sd", "t_cdf_two_sided",
+           "t_interval", "t_quantile"]

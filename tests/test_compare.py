@@ -112,7 +112,7 @@ def test_tables_hold_intervals_costs_and_paired_differences(three_seeds: Path, t
     assert "Paired differences on 256-512" in text and "t, 3 seeds" in text
 
 
-def test_a_single_seed_gets_a_bootstrap_over_sequences(tmp_path: Path) -> None:
+def test_a_single_seed_gets_a_bootstrap_over_sequences_and_pairs_no_verdict(tmp_path: Path) -> None:
     for method in ("rope", "alibi"):
         make_run(tmp_path / "s" / method, method, 0)
     out = tmp_path / "out"
@@ -124,10 +124,70 @@ def test_a_single_seed_gets_a_bootstrap_over_sequences(tmp_path: Path) -> None:
     assert float(row["256-512_low"]) == pytest.approx(expected.low)
     with open(out / "paired.csv") as f:
         pair = next(r for r in csv.DictReader(f) if r["metric"] == "band:256-512")
-    a = np.array(entry(pair["a"], 0)["sequence_bands"]["256-512"])
-    b = np.array(entry(pair["b"], 0)["sequence_bands"]["256-512"])
-    paired = bootstrap_interval(a - b)
-    assert pair["kind"] == "bootstrap" and float(pair["low"]) == pytest.approx(paired.low)
+    a = entry(pair["a"], 0)["bands"]["256-512"]
+    b = entry(pair["b"], 0)["bands"]["256-512"]
+    # One seed, and no pair with two seeds to estimate the seed spread from: the difference
+    # alone, no interval and no verdict (the sequences' interval would be 3-9x too narrow).
+    assert pair["kind"] == "1 seed" and float(pair["difference"]) == pytest.approx(a - b)
+    assert (pair["low"], pair["high"], pair["distinguishable"], pair["seeds"]) == ("", "", "", "0")
+    row = next(line for line in (out / "paired.md").read_text().splitlines() if line.startswith("| band:256-512"))
+    assert "(1 seed)" in row and "distinguishable" not in row and "none: 1 seed" in row
+
+
+def test_a_single_seed_is_widened_by_the_seed_spread_of_the_others(three_seeds: Path, tmp_path: Path) -> None:
+    """A one-seed group beside three-seed groups: its row and its pairs are widened by the
+    between-seed sd pooled over the groups (rows) and the pairs (differences) with seeds, and
+    its pairs get no verdict however far apart."""
+    from posbench.compare import compare_runs
+
+    make_run(three_seeds / "nope-9", "nope", 0, steps=2)  # another experiment: its own group, one seed
+    comparison = compare_runs(discover_runs([three_seeds])[0])
+    row = next(r for r in comparison.rows if r.label == "nope[steps=2]")
+    spread = row.spreads["band:256-512"]
+    values = {m: [entry(m, s)["bands"]["256-512"] for s in (0, 1, 2)] for m in OFFSET}
+    squares = sum(((np.array(v) - np.mean(v)) ** 2).sum() for v in values.values())
+    assert spread.sd == pytest.approx(math.sqrt(squares / 6)) and spread.df == 6 and spread.samples == 3
+    interval = row.intervals["band:256-512"]
+    sequences = bootstrap_interval(entry("nope", 0)["sequence_bands"]["256-512"])
+    assert interval.kind == "1 seed" and interval.half_width == pytest.approx(
+        math.hypot(sequences.half_width, 2.447 * spread.sd), rel=1e-3)  # t_{0.975, 6}
+    pair = next(p for p in comparison.pairs if p.metric == "band:256-512" and {p.a, p.b} == {"alibi", "nope[steps=2]"})
+    assert pair.seeds == ["0"] and pair.difference.kind == "1 seed" and pair.difference.distinguishable is None
+    diffs = [[values[a][s] - values[b][s] for s in range(3)] for a, b in (("alibi", "rope"), ("alibi", "nope"),
+                                                                           ("rope", "nope"))]
+    squares = sum(((np.array(d) - np.mean(d)) ** 2).sum() for d in diffs)
+    assert pair.spread.sd == pytest.approx(math.sqrt(squares / 6))
+    assert pair.spread.df == 4  # three groups of three seeds: (3 - 1)(3 - 1), not 3 x 2
+    assert abs(pair.difference.mean) > 0.3  # 0.4 nats apart, and still no verdict from one seed
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "cpu_quick" / "runs"
+
+
+def test_committed_runs_one_seed_orders_nothing() -> None:
+    """The committed cpu_quick runs: fox - alibi per seed is -0.015 / +0.014 / -0.008 on 256-512.
+    Over the three seeds it is not distinguishable; seed 0 alone (a bootstrap over sequences of
+    +-0.005) called it distinguishable. With one seed it now gets no verdict, and an interval
+    widened by the seed spread of the pairs with three seeds, which holds 0."""
+    from posbench.compare import compare_runs, paired_markdown
+    from posbench.results import finished_runs
+
+    names = [f"{m}-s{s}" for m in ("alibi", "rope", "nope") for s in (0, 1, 2)]
+    three = finished_runs(*discover_runs([COMMITTED / n for n in names + ["fox-s0", "fox-s1", "fox-s2"]]))[0]
+    pair = next(p for p in compare_runs(three).pairs if p.metric == "band:256-512" and {p.a, p.b} == {"fox", "alibi"})
+    assert pair.difference.kind == "t" and pair.difference.distinguishable is False and pair.difference.n == 3
+    one = [r for r in three if not (r.method == "fox" and r.seed != 0)]
+    pairs = compare_runs(one).pairs
+    pair = next(p for p in pairs if p.metric == "band:256-512" and {p.a, p.b} == {"fox", "alibi"})
+    diff = pair.difference
+    assert abs(diff.mean) == pytest.approx(0.015, abs=0.001)
+    assert diff.distinguishable is None and diff.low < 0 < diff.high and diff.kind == "1 seed"
+    assert diff.half_width > 5 * 0.005  # the seed spread, not the sequences, sets the width
+    line = next(x for x in paired_markdown([pair]).splitlines() if x.startswith("| band:256-512"))
+    assert "distinguishable" not in line and "1 seed" in line and pair.seeds == ["0"]
+    # every pair with three seeds keeps its t verdict; no one-seed pair has one
+    assert all((p.difference.kind == "t") == (len(p.seeds) == 3) for p in pairs)
+    assert all(p.difference.distinguishable is None for p in pairs if len(p.seeds) == 1)
 
 
 def test_runs_with_different_options_are_kept_apart(tmp_path: Path) -> None:

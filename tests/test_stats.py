@@ -8,12 +8,16 @@ import numpy as np
 import pytest
 
 from posbench.stats import (
+    ONE_SEED,
     Interval,
+    SeedSpread,
     across_runs,
     bootstrap_interval,
     moving_average,
+    one_seed_interval,
     paired_difference,
     pointwise_t_band,
+    pooled_seed_sd,
     t_interval,
     t_quantile,
 )
@@ -80,13 +84,45 @@ def test_paired_difference_by_seed_and_by_sequence() -> None:
     expected = t_interval([3.0 - 2.9, 3.2 - 3.05, 3.1 - 3.0])
     assert diff == expected and diff.distinguishable is True
     assert paired_difference({0: 1.0}, {1: 1.0}) is None
-    # one common seed: a bootstrap over the per-sequence differences
+    # one common seed: the bootstrap over the per-sequence differences widened by the seed spread
     seq_a = {0: [1.0, 2.0, 3.0, 4.0]}
     seq_b = {0: [0.5, 2.5, 2.0, 4.5]}
-    one = paired_difference({0: 2.5}, {0: 2.375}, seq_a, seq_b)
-    assert one == bootstrap_interval(np.subtract(seq_a[0], seq_b[0])) and one.distinguishable is False
-    # different windows (lengths differ): no interval
-    assert paired_difference({0: 2.5}, {0: 2.0}, seq_a, {0: [1.0, 2.0]}).kind == "none"
+    spread = SeedSpread(0.015, 20, 45)
+    one = paired_difference({0: 2.5}, {0: 2.375}, seq_a, seq_b, spread=spread)
+    half = math.hypot(bootstrap_interval(np.subtract(seq_a[0], seq_b[0])).half_width, 2.086 * 0.015)
+    assert one.kind == ONE_SEED and one.n == 1 and one.mean == pytest.approx(0.125)
+    assert one.half_width == pytest.approx(half, rel=1e-3) and one.distinguishable is None
+    # different windows (lengths differ): the seed spread alone
+    other = paired_difference({0: 2.5}, {0: 2.0}, seq_a, {0: [1.0, 2.0]}, spread=spread)
+    assert other.half_width == pytest.approx(2.086 * 0.015, rel=1e-3) and other.distinguishable is None
+    # no seed spread to widen by: the difference alone, never the sequences' interval
+    bare = paired_difference({0: 2.5}, {0: 2.375}, seq_a, seq_b)
+    assert bare.low is None and bare.kind == ONE_SEED and bare.distinguishable is None
+
+
+def test_one_seed_never_gives_a_verdict() -> None:
+    """A one-seed difference far from 0 on its sequences still orders nothing (the cpu_quick
+    review: fox - alibi per seed -0.015 / +0.014 / -0.008, a one-seed half-width of 0.005)."""
+    seq_a = {0: list(np.linspace(3.0, 3.2, 50))}
+    seq_b = {0: list(np.linspace(3.0, 3.2, 50) + 0.015)}
+    spread = pooled_seed_sd([[-0.015, 0.014, -0.008]])
+    one = paired_difference({0: 3.1}, {0: 3.115}, seq_a, seq_b, spread=spread)
+    assert one.low <= 0 <= one.high and one.distinguishable is None
+    wide = one_seed_interval(-1.0, None, spread)  # even an interval that excludes 0
+    assert wide.high < 0 and wide.distinguishable is None
+
+
+def test_pooled_seed_sd_explicit() -> None:
+    samples = [[1.0, 1.2, 1.1], [2.0, 2.4], [5.0]]  # the single value adds nothing
+    squares = (0.01 + 0.01 + 0.0) + (0.04 + 0.04)
+    got = pooled_seed_sd(samples)
+    assert got == SeedSpread(pytest.approx(math.sqrt(squares / 3)), 3, 2)
+    assert pooled_seed_sd(samples, max_df=2).df == 2
+    assert pooled_seed_sd([[1.0], [2.0]]) is None
+    interval = one_seed_interval(3.0, Interval(3.0, 2.9, 3.1, 40, "bootstrap"), SeedSpread(0.05, 3, 2))
+    half = math.hypot(0.1, 3.182 * 0.05)
+    assert interval.low == pytest.approx(3.0 - half, abs=1e-4) and interval.high == pytest.approx(3.0 + half, abs=1e-4)
+    assert one_seed_interval(3.0, None, None).low is None
 
 
 def test_interval_crossing_zero_is_not_distinguishable() -> None:
