@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -203,11 +204,23 @@ def _seeds_label(label: str, n: int) -> str:
     return f"{label} ({n} seeds)" if n > 1 else label
 
 
+def _seed_names(seeds: Sequence[str]) -> str:
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(seeds)
+
+
+def _partial_label(label: str, seeds: Sequence[str], of: int) -> str:
+    """``label`` for a curve over ``seeds`` of a group of ``of`` seeds: the seeds are named when
+    they are not all of them (``rope (seed 0 of 2)``), never passed off as the group's mean."""
+    return _seeds_label(label, len(seeds)) if len(seeds) >= of else f"{label} ({_seed_names(seeds)} of {of})"
+
+
 def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int], length: int, title: str,
                      windowed: dict[str, list[np.ndarray]] | None = None, ylabel: str = "next-token loss (nats)",
-                     clip: bool = True):
+                     clip: bool = True, legend: dict[str, str] | None = None, missing: Sequence[str] = ()):
     """``curves``: group label -> per-seed curves of ``length`` positions; ``windowed`` (same
-    keys) adds the like-for-like curves, dashed, past the training context."""
+    keys) adds the like-for-like curves, dashed, past the training context. ``legend``: label ->
+    legend text (default: the label and its number of seeds); ``missing``: groups without a curve
+    at this length, named in the title."""
     fig = new_figure(9.0 if len(curves) < LEGEND_ONE_COLUMN else 13.0, 5.0)  # room for a 2-column legend
     ax = fig.add_subplot()
     window = max(1, length // 64)
@@ -216,7 +229,8 @@ def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int]
     means: dict[str, np.ndarray] = {}
     styles = line_styles(list(curves))
     for label, arrays in curves.items():
-        means[label] = _mean_with_band(ax, x, arrays, styles[label]["color"], _seeds_label(label, len(arrays)), window,
+        shown = (legend or {}).get(label) or _seeds_label(label, len(arrays))
+        means[label] = _mean_with_band(ax, x, arrays, styles[label]["color"], shown, window,
                                        marker=styles[label]["marker"])
         if windowed and windowed.get(label):
             past = x >= context
@@ -233,7 +247,8 @@ def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int]
         note = f"\ny-axis clipped at {hi:.2f}; above it past the context: {', '.join(clipped)}" if clipped else ""
     dashed = "\ndashed: the same targets through windows of the training context" if windowed else ""
     seeds = _seeds_note([len(arrays) for arrays in curves.values()])
-    ax.set_title(f"{title}\n{seeds}, moving average of {window} positions{dashed}{note}", fontsize=9)
+    absent = f"\nno curve at length {length}: {', '.join(missing)}" if missing else ""
+    ax.set_title(f"{title}\n{seeds}, moving average of {window} positions{dashed}{note}{absent}", fontsize=9)
     ax.set_xlabel("position")
     ax.set_ylabel(ylabel)
     ax.set_xlim(0, length)
@@ -365,52 +380,78 @@ def _bands_markdown(comparison: Comparison, problems: Sequence[tuple[str, str]])
 # --------------------------------------------------------------------------- public API
 
 
+@dataclass
+class _Curves:
+    """Per-seed curves of one (split, length) for the groups that have them."""
+
+    curves: dict[str, list[np.ndarray]]
+    contexts: list[int]
+    seeds: dict[str, list[str]]
+    """label -> the seeds its curves come from."""
+
+    def legend(self, groups: dict[str, list[RunRecord]]) -> dict[str, str]:
+        """label -> legend text naming the seeds of a curve that lacks some of its group's."""
+        return {label: _partial_label(label, seeds, len(groups[label])) for label, seeds in self.seeds.items()}
+
+    def missing(self, groups: dict[str, list[RunRecord]]) -> list[str]:
+        """The groups without any curve, with their number of seeds."""
+        return [_seeds_label(label, len(runs)) for label, runs in groups.items() if label not in self.curves]
+
+
 def _curves(groups: dict[str, list[RunRecord]], split: str, length: int, pick: Callable[[dict[str, Any]], Any]
-            ) -> tuple[dict[str, list[np.ndarray]], list[int]]:
+            ) -> _Curves:
     """label -> per-seed arrays ``pick(entry)`` of the (split, length) entries that have one."""
-    curves: dict[str, list[np.ndarray]] = {}
-    contexts = []
+    found = _Curves({}, [], {})
     for label, runs in groups.items():
         for run in runs:
             entry = _entry(run, split, length)
             values = None if entry is None else pick(entry)
             if values is not None:
-                curves.setdefault(label, []).append(np.asarray(values, dtype=np.float64))
-                contexts.append(run.train_context)
-    return curves, contexts
+                found.curves.setdefault(label, []).append(np.asarray(values, dtype=np.float64))
+                found.seeds.setdefault(label, []).append(str(run.seed))
+                found.contexts.append(run.train_context)
+    return found
 
 
 def _position_figures(groups: dict[str, list[RunRecord]], out_dir: Path, formats: Sequence[str],
                       title_prefix: str = "") -> list[Path]:
     """``loss_by_position[_<split>][_<L>]`` for every length (dashed: windowed), and at the
-    longest length ``cost_by_position`` and ``cumulative_perplexity``."""
+    longest length ``cost_by_position`` and ``cumulative_perplexity``. A length some seeds of a
+    group lack (``posbench eval eval.lengths=[1024]`` on seed 0) draws that group's curve over
+    the seeds that have it, named in the legend (``rope (seed 0 of 2)``); groups without it are
+    named in the title."""
     runs = [r for rs in groups.values() for r in rs]
     written: list[Path] = []
     if not runs:
         return written
     context = _common_context(runs)
+
+    def figure(found: _Curves, length: int, title: str, **kwargs: Any):
+        return position_figure(found.curves, found.contexts, length, title, legend=found.legend(groups),
+                               missing=found.missing(groups), **kwargs)
+
     for split_index, split in enumerate(splits(runs)):
         lengths = sorted({e["length"] for r in runs for e in r.results["eval"] if e["split"] == split})
         headline_length = 2 * context if 2 * context in lengths else lengths[0]
         suffix = "" if split_index == 0 else f"_{split}"
         for length in lengths:
-            curves, contexts = _curves(groups, split, length, lambda e: e["loss_by_position"])
-            windowed, _ = _curves(groups, split, length, lambda e: (e.get("windowed") or {}).get("loss_by_position"))
+            found = _curves(groups, split, length, lambda e: e["loss_by_position"])
+            windowed = _curves(groups, split, length, lambda e: (e.get("windowed") or {}).get("loss_by_position"))
             stem = "loss_by_position" + suffix + ("" if length == headline_length else f"_{length}")
-            fig = position_figure(curves, contexts, length, f"{title_prefix}Loss by position ({split}, length {length})",
-                                   windowed=windowed)
+            fig = figure(found, length, f"{title_prefix}Loss by position ({split}, length {length})",
+                         windowed=windowed.curves)
             written += save(fig, out_dir, stem, formats)
         longest = lengths[-1]
-        cost, contexts = _curves(groups, split, longest, lambda e: (e.get("cost") or {}).get("loss_by_position"))
-        if cost:
-            fig = position_figure(cost, contexts, longest, f"{title_prefix}Extrapolation cost ({split}, length "
-                                   f"{longest}): full context minus windows of the training context",
-                                   ylabel="cost (nats; > 0: the long context hurts)", clip=False)
+        cost = _curves(groups, split, longest, lambda e: (e.get("cost") or {}).get("loss_by_position"))
+        if cost.curves:
+            fig = figure(cost, longest, f"{title_prefix}Extrapolation cost ({split}, length "
+                         f"{longest}): full context minus windows of the training context",
+                         ylabel="cost (nats; > 0: the long context hurts)", clip=False)
             written += save(fig, out_dir, "cost_by_position" + suffix, formats)
-        cumulative, contexts = _curves(groups, split, longest, lambda e: e.get("cumulative_perplexity"))
-        if cumulative:
-            fig = position_figure(cumulative, contexts, longest, f"{title_prefix}Cumulative perplexity P(l) of "
-                                   f"positions 0..l ({split}, length {longest})", ylabel="perplexity")
+        cumulative = _curves(groups, split, longest, lambda e: e.get("cumulative_perplexity"))
+        if cumulative.curves:
+            fig = figure(cumulative, longest, f"{title_prefix}Cumulative perplexity P(l) of "
+                         f"positions 0..l ({split}, length {longest})", ylabel="perplexity")
             written += save(fig, out_dir, "cumulative_perplexity" + suffix, formats)
     return written
 

@@ -13,6 +13,11 @@ evaluated under an extension:
 - ``extension_curves.<fmt>``: per-position loss of one method (the one with the most extensions)
   under every extension at its longest evaluated length, and below it the difference to ``none``
   (the same windows, so the text's own ups and downs cancel).
+
+Extensions are often evaluated on some seeds only (``posbench eval run=<seed 0> eval.extension=...``).
+The change against ``none`` is therefore paired by seed: the mean over the seeds that have both of
+(extension - none), the seeds named; never one seed's extension against a mean over other seeds.
+A band or curve that some seeds of a group lack is the mean of those that have it, its seeds named.
 """
 
 from __future__ import annotations
@@ -52,32 +57,75 @@ def _std(values: Sequence[float]) -> float | None:
     return float(np.std(values, ddof=1)) if len(values) >= 2 else None
 
 
+def _seeds(seeds: Sequence[str]) -> str:
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(seeds)
+
+
+def _stats(by_seed: dict[str, float]) -> dict[str, Any]:
+    values = list(by_seed.values())
+    return {"mean": float(np.mean(values)), "std": _std(values), "n": len(values), "seeds": list(by_seed)}
+
+
 def extension_matrix(runs: Sequence[RunRecord], split: str) -> tuple[list[str], list[dict[str, Any]]]:
-    """(bands, rows): a row per (group, extension) with band means (and costs) over seeds; a
-    group is runs that differ only by seed (:func:`posbench.compare.group_runs`), its label
-    the row's ``method`` (``rope``, ``rope[steps=60]``)."""
+    """(bands, rows): a row per (group, extension) with band means (and costs) over seeds, each
+    with the seeds it is over; a group is runs that differ only by seed
+    (:func:`posbench.compare.group_runs`), its label the row's ``method`` (``rope``,
+    ``rope[steps=60]``). ``change``: the extension minus ``none`` paired by seed, over the seeds
+    that have both (absent where none has); ``group_seeds``: the group's seeds."""
     entries = [(r, e) for r in runs for e in r.results["eval"] if e["split"] == split]
     bands = sorted({b for _, e in entries for b in e["bands"]}, key=_band_key)
     rows = []
     for method, group in group_runs(runs).items():
         method_runs = group.runs
         names = {entry_extension(e) for r in method_runs for e in r.results["eval"] if e["split"] == split}
+        group_seeds = [str(r.seed) for r in method_runs]
+        plain: dict[str, dict[str, float]] = {}
         for extension in _extension_order(names):
-            row: dict[str, Any] = {"method": method, "extension": extension, "seeds": 0, "loss": {}, "cost": {}}
+            row: dict[str, Any] = {"method": method, "extension": extension, "seeds": 0, "group_seeds": group_seeds,
+                                   "loss": {}, "cost": {}, "change": {}}
             for band in bands:
                 for kind in ("loss", "cost"):
-                    values = [v for v in (_band_from(r, split, extension, band, kind == "cost") for r in method_runs)
-                              if v is not None]
-                    if values:
-                        row[kind][band] = {"mean": float(np.mean(values)), "std": _std(values), "n": len(values)}
-                        row["seeds"] = max(row["seeds"], len(values))
+                    by_seed = {str(r.seed): v for r in method_runs
+                               if (v := _band_from(r, split, extension, band, kind == "cost")) is not None}
+                    if not by_seed:
+                        continue
+                    row[kind][band] = _stats(by_seed)
+                    row["seeds"] = max(row["seeds"], len(by_seed))
+                    if kind == "loss" and extension == NONE:
+                        plain[band] = by_seed
+                    elif kind == "loss" and (common := [s for s in by_seed if s in plain.get(band, {})]):
+                        row["change"][band] = _stats({s: by_seed[s] - plain[band][s] for s in common})
             rows.append(row)
     return bands, rows
 
 
-def _plain(rows: list[dict[str, Any]], method: str, band: str) -> float | None:
-    row = next((r for r in rows if r["method"] == method and r["extension"] == NONE), None)
-    return None if row is None or band not in row["loss"] else row["loss"][band]["mean"]
+def _loss_cell(row: dict[str, Any], band: str) -> str:
+    """The band's loss, its seeds named when they are not all of the group's, and for an
+    extension the paired change against ``none`` with its seeds."""
+    stats = row["loss"].get(band)
+    if stats is None:
+        return "-"
+    text = f"{stats['mean']:.4f}"
+    change = row["change"].get(band)
+    if change is not None:
+        text += f" ({change['mean']:+.3f}, {_seeds(change['seeds'])})"
+    if stats["seeds"] != _row_seeds(row) and (change is None or change["seeds"] != stats["seeds"]):
+        text += f" [{_seeds(stats['seeds'])}]"
+    return text
+
+
+def _row_seeds(row: dict[str, Any]) -> list[str]:
+    """The seeds any band of the row's loss comes from, in the group's order."""
+    have = {s for stats in row["loss"].values() for s in stats["seeds"]}
+    return [s for s in row["group_seeds"] if s in have]
+
+
+def _cost_cell(row: dict[str, Any], band: str) -> str:
+    stats = row["cost"].get(band)
+    if stats is None:
+        return "-"
+    partial = f" [{_seeds(stats['seeds'])}]" if stats["seeds"] != _row_seeds(row) else ""
+    return f"{stats['mean']:+.4f}{partial}"
 
 
 def _markdown(bands: list[str], rows: list[dict[str, Any]], split: str) -> str:
@@ -88,7 +136,9 @@ def _markdown(bands: list[str], rows: list[dict[str, Any]], split: str) -> str:
         "# Context extension matrix",
         "",
         f"Mean next-token loss (nats) on the `{split}` split per band, mean over seeds; in brackets the "
-        f"change against the plain model (`none`). Each band comes from the shortest evaluated length "
+        f"change against the plain model (`none`), paired by seed over the seeds named (the mean of "
+        f"extension - none per seed). In square brackets: the seeds a value is over, where they are not "
+        f"all of the method's. Each band comes from the shortest evaluated length "
         f"containing it, so with the default factor L / C the band `C-2C` is measured at factor 2, "
         f"`2C-4C` at factor 4, and so on.",
         "",
@@ -96,27 +146,21 @@ def _markdown(bands: list[str], rows: list[dict[str, Any]], split: str) -> str:
         "|---|---|---:|" + "---:|" * (len(bands) * (2 if has_cost else 1)),
     ]
     for row in rows:
-        cells = []
-        for band in bands:
-            stats = row["loss"].get(band)
-            plain = _plain(rows, row["method"], band)
-            if stats is None:
-                cells.append("-")
-            elif row["extension"] == NONE or plain is None:
-                cells.append(f"{stats['mean']:.4f}")
-            else:
-                cells.append(f"{stats['mean']:.4f} ({stats['mean'] - plain:+.3f})")
+        cells = [_loss_cell(row, band) for band in bands]
         if has_cost:
-            cells += [f"{row['cost'][b]['mean']:+.4f}" if b in row["cost"] else "-" for b in bands]
+            cells += [_cost_cell(row, b) for b in bands]
         lines.append(f"| {row['method']} | {row['extension']} | {row['seeds']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _csv(bands: list[str], rows: list[dict[str, Any]]) -> str:
+    """One row per (method, extension): loss and cost mean/std per band, then per band the seeds
+    the loss is over and the paired change against ``none`` with its seeds."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["method", "extension", "seeds"] + [f"{kind}_{b}_{stat}" for kind in ("loss", "cost")
-                                                         for b in bands for stat in ("mean", "std")])
+                                                         for b in bands for stat in ("mean", "std")]
+                    + [name for b in bands for name in (f"loss_{b}_seeds", f"change_{b}_mean", f"change_{b}_seeds")])
     for row in rows:
         cells: list[Any] = [row["method"], row["extension"], row["seeds"]]
         for kind in ("loss", "cost"):
@@ -124,6 +168,10 @@ def _csv(bands: list[str], rows: list[dict[str, Any]]) -> str:
                 stats = row[kind].get(band)
                 cells += ["", ""] if stats is None else [repr(stats["mean"]),
                                                          "" if stats["std"] is None else repr(stats["std"])]
+        for band in bands:
+            stats, change = row["loss"].get(band), row["change"].get(band)
+            cells += [" ".join(stats["seeds"]) if stats else "", repr(change["mean"]) if change else "",
+                      " ".join(change["seeds"]) if change else ""]
         writer.writerow(cells)
     return buffer.getvalue()
 
@@ -134,8 +182,7 @@ def _heatmap(bands: list[str], rows: list[dict[str, Any]], split: str):
     heights = [max(1.2, 0.45 * len(per_method[m]) + 0.8) for m in methods]
     fig = new_figure(1.6 * len(bands) + 3.5, sum(heights) + 0.8)
     axes = fig.subplots(len(methods), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
-    deltas = [row["loss"][b]["mean"] - _plain(rows, row["method"], b) for row in rows for b in bands
-              if b in row["loss"] and _plain(rows, row["method"], b) is not None]
+    deltas = [row["change"][b]["mean"] for row in rows for b in row["change"]]
     limit = max([abs(d) for d in deltas if np.isfinite(d)] + [1e-3])
     image = None
     for ax, method in zip(axes, methods):
@@ -143,62 +190,76 @@ def _heatmap(bands: list[str], rows: list[dict[str, Any]], split: str):
         grid = np.full((len(method_rows), len(bands)), np.nan)
         for i, row in enumerate(method_rows):
             for j, band in enumerate(bands):
-                plain = _plain(rows, method, band)
-                if band in row["loss"] and plain is not None:
-                    grid[i, j] = row["loss"][band]["mean"] - plain
+                if band in row["change"]:
+                    grid[i, j] = row["change"][band]["mean"]
                 if band in row["loss"]:
-                    ax.text(j, i, f"{row['loss'][band]['mean']:.3f}", ha="center", va="center", fontsize=8)
+                    stats = row["loss"][band]
+                    # a cell over fewer seeds than its group names them (its change is over those)
+                    partial = "" if stats["seeds"] == row["group_seeds"] else f"\n{_seeds(stats['seeds'])}"
+                    ax.text(j, i, f"{stats['mean']:.3f}{partial}", ha="center", va="center", fontsize=8)
         image = ax.imshow(grid, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
         ax.set_yticks(range(len(method_rows)), [r["extension"] for r in method_rows], fontsize=8)
         ax.set_xticks(range(len(bands)), bands, fontsize=8)
         ax.set_ylabel(method)
     axes[0].set_title(f"Loss per band under each context extension ({split})\n"
-                      f"colour: change against none (blue = better); text: loss", fontsize=10)
+                      f"colour: change against none, paired by seed (blue = better); text: loss", fontsize=10)
     if image is not None:
-        fig.colorbar(image, ax=list(axes), label="loss - loss(none) (nats)", shrink=0.8)
+        fig.colorbar(image, ax=list(axes), label="loss - loss(none), paired by seed (nats)", shrink=0.8)
     return fig
 
 
 def _curves(run_rows: Sequence[RunRecord], method: str, split: str):
-    """Per-position loss of ``method`` (mean over its seeds) under every extension, longest length."""
-    entries = [e for r in run_rows for e in r.results["eval"] if e["split"] == split]
-    length = max(e["length"] for e in entries)
+    """Per-position loss of ``method`` under every extension at the longest length: the mean over
+    the seeds that have it (named in the legend), and below it extension - none paired by seed
+    (the seeds that have both)."""
+    entries = [(str(r.seed), e) for r in run_rows for e in r.results["eval"] if e["split"] == split]
+    length = max(e["length"] for _, e in entries)
     context = run_rows[0].train_context
     fig = new_figure(9.0, 7.5)
     ax, diff_ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     window = max(1, length // 64)
     x = np.arange(length)
-    raw: dict[str, np.ndarray] = {}
-    for extension in _extension_order({entry_extension(e) for e in entries}):
-        curves = [np.asarray(e["loss_by_position"], dtype=np.float64) for e in entries
-                  if e["length"] == length and entry_extension(e) == extension]
+    by_seed: dict[str, dict[str, np.ndarray]] = {}  # extension -> seed -> (length,)
+    for extension in _extension_order({entry_extension(e) for _, e in entries}):
+        curves = {seed: np.asarray(e["loss_by_position"], dtype=np.float64) for seed, e in entries
+                  if e["length"] == length and entry_extension(e) == extension}
         if curves:
-            raw[extension] = np.mean(curves, axis=0)
-    top, means = [], []
-    for extension, values in raw.items():
-        mean = _moving_average(values, window)
+            by_seed[extension] = curves
+    top, means, shown = [], [], set()
+    plain = by_seed.get(NONE, {})
+    for extension, curves in by_seed.items():
+        mean = _moving_average(np.mean(list(curves.values()), axis=0), window)
         style = {"color": "black", "linewidth": 2.0} if extension == NONE else {"linewidth": 1.3}
-        ax.plot(x, mean, label=extension, **style)
+        line, = ax.plot(x, mean, label=f"{extension} ({_seeds(list(curves))})", **style)
         means.append(mean)
+        shown.update(curves)
         top.append(float(np.nanpercentile(mean[: min(context, length)], 95)))
-        if NONE in raw:  # the same windows: the difference is free of the text's own ups and downs
-            diff_ax.plot(x, _moving_average(values - raw[NONE], 4 * window), label=extension, **style)
+        common = [s for s in curves if s in plain]
+        if extension != NONE and common:  # the same windows: free of the text's own ups and downs
+            diff = np.mean([curves[s] - plain[s] for s in common], axis=0)
+            diff_ax.plot(x, _moving_average(diff, 4 * window), label=f"{extension} ({_seeds(common)})",
+                         color=line.get_color(), linewidth=1.3)
     lo = min(float(np.nanmin(m)) for m in means)
     # As the method comparison: a little above the in-context loss, so one blow-up does not
     # flatten the others.
     hi = lo + 1.5 * (max(top) - lo) if top and max(top) > lo else None
     if hi is not None:
         ax.set_ylim(lo - 0.03 * (hi - lo), hi)
+    diff_ax.axhline(0.0, color="black", linewidth=1.0)  # none itself
     for axis in (ax, diff_ax):
         axis.axvline(context, color="grey", linestyle="--", linewidth=1)
         axis.grid(alpha=0.3)
     ax.set_xlim(0, length)
     diff_ax.set_xlabel("position (dashed: training context)")
     ax.set_ylabel("next-token loss (nats)")
-    diff_ax.set_ylabel(f"loss - loss(none)\n(moving average of {4 * window})")
+    diff_ax.set_ylabel(f"loss - loss(none), paired by seed\n(moving average of {4 * window})")
+    seeds = sorted(shown, key=lambda s: [str(r.seed) for r in run_rows].index(s))
     ax.set_title(f"{method} under each context extension ({split}, length {length}, "
-                 f"{len(run_rows)} seed(s))\nmoving average of {window} positions", fontsize=10)
+                 f"{_seeds(seeds)} of {len(run_rows)})\nmoving average of {window} positions; "
+                 "legend: the seeds each curve is over", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
+    if diff_ax.get_lines():
+        diff_ax.legend(fontsize=7, ncol=2)
     return fig
 
 
