@@ -11,8 +11,8 @@ evaluated under an extension:
 - ``extension_matrix.<fmt>``: a heatmap per method, extensions x bands, coloured by the change
   against ``none`` (blue = better), annotated with the loss.
 - ``extension_curves.<fmt>``: per-position loss of one method (the one with the most extensions)
-  under every extension at its longest evaluated length, and below it the difference to ``none``
-  (the same windows, so the text's own ups and downs cancel).
+  under every extension at the longest length an extension was evaluated at, and below it the
+  difference to ``none`` (the same windows, so the text's own ups and downs cancel).
 
 Extensions are often evaluated on some seeds only (``posbench eval run=<seed 0> eval.extension=...``).
 The change against ``none`` is therefore paired by seed: the mean over the seeds that have both of
@@ -213,7 +213,8 @@ def _curves(run_rows: Sequence[RunRecord], method: str, split: str):
     the seeds that have it (named in the legend), and below it extension - none paired by seed
     (the seeds that have both)."""
     entries = [(str(r.seed), e) for r in run_rows for e in r.results["eval"] if e["split"] == split]
-    length = max(e["length"] for _, e in entries)
+    # the longest length some extension was evaluated at (a plain entry alone there shows nothing)
+    length = max(e["length"] for _, e in entries if entry_extension(e) != NONE)
     context = run_rows[0].train_context
     fig = new_figure(9.0, 7.5)
     ax, diff_ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
@@ -254,11 +255,12 @@ def _curves(run_rows: Sequence[RunRecord], method: str, split: str):
     ax.set_ylabel("next-token loss (nats)")
     diff_ax.set_ylabel(f"loss - loss(none), paired by seed\n(moving average of {4 * window})")
     seeds = sorted(shown, key=lambda s: [str(r.seed) for r in run_rows].index(s))
+    of = f" of {len(run_rows)}" if len(seeds) < len(run_rows) else ""
     ax.set_title(f"{method} under each context extension ({split}, length {length}, "
-                 f"{_seeds(seeds)} of {len(run_rows)})\nmoving average of {window} positions; "
+                 f"{_seeds(seeds)}{of})\nmoving average of {window} positions; "
                  "legend: the seeds each curve is over", fontsize=10)
     ax.legend(fontsize=8, ncol=2)
-    if diff_ax.get_lines():
+    if any(not line.get_label().startswith("_") for line in diff_ax.get_lines()):
         diff_ax.legend(fontsize=7, ncol=2)
     return fig
 
