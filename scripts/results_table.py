@@ -8,7 +8,8 @@ of the file (0-C, C-2C, ...), the cost on the bands past C, the effective length
 evaluated length, and the copy gain of ``--kind`` spans at the
 smallest distance inside the context and at ``--distances`` past it (a repeat whose copy lies
 past C, docs/probes.md). Every value is ``mean ± half-width`` of its 95 % interval, as the CSVs
-hold it (t across seeds, or the bootstrap of one seed); ``-`` where a group has no such value.
+hold it (t across seeds; for one seed, bands.csv's bootstrap over sequences widened by the pooled
+between-seed sd, copy.csv's bootstrap); ``-`` where a group has no such value.
 ``--label`` shows a group under another name (e.g. ``rope[model.attention_window=none]=rope``).
 """
 
