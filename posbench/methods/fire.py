@@ -17,22 +17,37 @@ The MLP is written as an explicit sum over its hidden units so that the same sco
 on dense index grids and, scalar by scalar, inside FlexAttention's ``score_mod``. Training refuses
 flex all the same: its compiled backward cannot give the MLP weights and the scalars c, L a
 gradient (seen on an H100, docs/gpu.md), so ``auto`` runs fire in SDPA on CUDA.
+
+``fast: true`` computes the same function as one batched MLP over the whole (T, T) grid (a
+(..., T, T, W) hidden layer and one matmul, in fp32 also under autocast) instead of W summed
+terms: equal to the default to fp32 rounding, not bitwise (docs/benchmarks.md).
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posbench.methods import register
-from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, distance, position_at
+from posbench.methods.base import (
+    DenseScore,
+    ModelDims,
+    PositionMethod,
+    ScoreFn,
+    distance,
+    index_grid,
+    position_at,
+)
 
 
 @register
 class FIRE(PositionMethod):
     name = "fire"
     has_score_term = True
+    options_before = {"fast": False}  # runs from before the fast path computed the loop
 
     def __init__(
-        self, dims: ModelDims, *, mlp_width: int = 32, init_c: float = 0.1, init_L: float = 512.0, eps: float = 1e-6
+        self, dims: ModelDims, *, mlp_width: int = 32, init_c: float = 0.1, init_L: float = 512.0, eps: float = 1e-6,
+        fast: bool = False,
     ) -> None:
         super().__init__(dims)
         if mlp_width < 1 or not init_c > 0 or not init_L > 0:
@@ -44,6 +59,7 @@ class FIRE(PositionMethod):
         self.L_multiplier = nn.Parameter(torch.tensor(1.0))
         self.init_L = init_L
         self.eps = eps
+        self.fast = bool(fast)
 
     def backend_limits(self) -> dict[str, str]:
         # Seen on an H100 (torch 2.11): FlexAttention's backward takes gradients only of captured
@@ -66,7 +82,16 @@ class FIRE(PositionMethod):
             u = psi(d) / (psi(normaliser) + eps)  # in [0, 1] for causal keys
             return sum(w2[h, n] * torch.relu(w1[n] * u + b1[n]) for n in range(w1.shape[0]))
 
-        return bias
+        if not self.fast:
+            return bias
+        b, q_idx, kv_idx = index_grid(positions)
+        with torch.autocast(q.device.type, enabled=False):
+            d = distance(positions, b, q_idx, kv_idx).clamp(min=0).float()
+            normaliser = torch.maximum(position_at(positions, b, q_idx).float(), threshold)
+            u = psi(d) / (psi(normaliser) + eps)  # (B|1, 1, T, T)
+            hidden = torch.relu(u[..., None] * w1.float() + b1.float())  # (B|1, 1, T, T, W)
+            grid = F.linear(hidden, w2.float())  # (B|1, 1, T, T, H)
+        return DenseScore(grid[:, 0].permute(0, 3, 1, 2))  # (B|1, H, T, T)
 
     def extra_repr(self) -> str:
-        return f"mlp_width={self.mlp[0].out_features}, init_L={self.init_L}"
+        return f"mlp_width={self.mlp[0].out_features}, init_L={self.init_L}, fast={self.fast}"

@@ -20,6 +20,12 @@ Two differences from ``transformers``' T5 worth knowing:
 - The last bucket: with the defaults (32 buckets, max_distance 128) bucket 31 starts at distance
   113, not 128: bucket = 16 + floor(16 * log(n / 16) / log(8)) reaches 31 once
   n >= 16 * 8^(15/16) = 112.4. Distances 113 and beyond all share it (as in T5 itself).
+
+``fast: true`` builds the dense bias by a one-hot matmul, (T, T, buckets) x (buckets, H), whose
+forward is the default's gather bitwise and whose backward is a matmul instead of an indexed
+accumulation; the table's gradient then equals the default's to fp32 rounding. Every layer computes
+the same term from the shared table; compiled, the identical computations are one (common
+subexpressions are merged).
 """
 
 import math
@@ -28,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from posbench.methods import register
-from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, distance
+from posbench.methods.base import DenseScore, ModelDims, PositionMethod, ScoreFn, distance, index_grid
 
 
 def causal_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
@@ -46,11 +52,11 @@ class T5Bias(PositionMethod):
     name = "t5"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
-    options_before = {"bias_scale": 1.0}  # runs from before issue 23 trained the unscaled bias
+    options_before = {"bias_scale": 1.0, "fast": False}  # bias_scale: runs from before issue 23 trained the unscaled bias
 
     def __init__(
         self, dims: ModelDims, *, num_buckets: int = 32, max_distance: int = 128, init_std: float = 0.02,
-        bias_scale: float | None = None,
+        bias_scale: float | None = None, fast: bool = False,
     ) -> None:
         """``bias_scale``: factor on the learned table; None = sqrt(head_dim) (x-transformers),
         1.0 = the unscaled bias of posbench before issue 23."""
@@ -64,6 +70,7 @@ class T5Bias(PositionMethod):
         self.max_distance = max_distance
         self.bias = nn.Embedding(num_buckets, dims.n_heads)  # (buckets, H), shared across layers
         self.init_std = init_std
+        self.fast = bool(fast)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -86,7 +93,14 @@ class T5Bias(PositionMethod):
             bucket = causal_bucket(distance(positions, b, q_idx, kv_idx), num_buckets, max_distance)
             return table[bucket, h]
 
-        return bias
+        if not self.fast:
+            return bias
+        b, q_idx, kv_idx = index_grid(positions)
+        bucket = causal_bucket(distance(positions, b, q_idx, kv_idx), num_buckets, max_distance)  # (B|1, 1, T, T)
+        with torch.autocast(q.device.type, enabled=False):
+            one_hot = torch.nn.functional.one_hot(bucket[:, 0], num_buckets).to(table.dtype)  # (B|1, T, T, n)
+            grid = one_hot @ table  # (B|1, T, T, H)
+        return DenseScore(grid.permute(0, 3, 1, 2))  # (B|1, H, T, T)
 
     def extra_repr(self) -> str:
-        return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, bias_scale={self.bias_scale:g}"
+        return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, bias_scale={self.bias_scale:g}, fast={self.fast}"
