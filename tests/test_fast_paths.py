@@ -200,3 +200,88 @@ def test_model_loss_chunk_switch_trains_as_the_default():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------ compile modes
+
+
+def trainer_config(**values):
+    from posbench.settings import TrainerConfig
+
+    cfg = TrainerConfig(**values)
+    cfg.validate()
+    return cfg
+
+
+def test_a_cuda_graph_compile_mode_off_cuda_is_one_line():
+    from posbench.errors import PosbenchError
+    from posbench.optim import TrainStep
+
+    model = tiny_model("rope")
+    t = trainer_config(compile="true", compile_mode="reduce-overhead")
+    with pytest.raises(PosbenchError, match="compile_mode=reduce-overhead captures CUDA graphs"):
+        TrainStep(model, t, torch.device("cpu"), 10)
+    TrainStep(model, trainer_config(compile="auto", compile_mode="reduce-overhead"), torch.device("cpu"), 10)  # not compiled
+    with pytest.raises(PosbenchError, match="trainer.compile_mode must be one of"):
+        trainer_config(compile_mode="fast")
+
+
+def test_default_compile_mode_is_plain_torch_compile(monkeypatch):
+    from posbench.optim import compile_model
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
+    model = tiny_model("rope")
+    compile_model(model, "default")
+    compile_model(model, "max-autotune-no-cudagraphs")
+    assert calls == [{}, {"mode": "max-autotune-no-cudagraphs"}]
+
+
+def test_cuda_graph_step_marks_every_micro_batch_and_keeps_no_graph_output(monkeypatch):
+    from posbench.optim import TrainStep
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
+    model = tiny_model("rope")
+    step = TrainStep(model, trainer_config(compile="false"), torch.device("cpu"), 10)
+    idx = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(1))
+    outputs = []
+
+    def micro_loss(i):
+        outputs.append(model(idx[2 * i:2 * i + 2], targets=idx[2 * i:2 * i + 2].roll(-1, 1)))
+        return outputs[-1]
+
+    step(micro_loss, accum=2)
+    assert marks == []  # not a CUDA-graph mode: no marks
+    step.cuda_graphs = True
+    loss = step(micro_loss, accum=2)
+    assert marks == [0, 1]
+    assert all(loss.data_ptr() != out.data_ptr() for out in outputs)  # the sum is a tensor of its own
+
+
+def test_kerple_projects_before_the_step_and_not_inside_a_compiled_forward():
+    from posbench.optim import TrainStep
+
+    model = tiny_model("kerple", "sdpa")
+    with torch.no_grad():
+        model.position.r1.fill_(-1.0)
+    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # fullgraph: no graph break either
+    compiled(idx, targets=idx)
+    assert (model.position.r1 == -1.0).all()  # the compiled forward mutated nothing
+    step = TrainStep(model, trainer_config(compile="false", lr=1e-9), torch.device("cpu"), 10)
+    step(lambda i: compiled(idx, targets=idx))
+    torch.testing.assert_close(model.position.r1.detach(), torch.full_like(model.position.r1, 0.01))  # projected first
+
+
+def test_kerple_default_compile_keeps_the_eager_numbers():
+    """The projection moved out of the graph: a compiled step computes what eager computes."""
+    eager, compiled = tiny_model("kerple", "sdpa"), tiny_model("kerple", "sdpa")
+    compiled.load_state_dict(eager.state_dict())
+    with torch.no_grad():
+        for m in (eager, compiled):
+            m.position.r2.fill_(-3.0)  # out of range: projected to 0.01 before use
+    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    runner = torch.compile(compiled, backend="eager")
+    compiled.position.before_step()
+    torch.testing.assert_close(runner(idx, targets=idx), eager(idx, targets=idx), rtol=0, atol=0)

@@ -178,6 +178,11 @@ class PositionMethod(nn.Module):
         """A value-side term for ``layer`` (see :class:`ValueTerm`), or None."""
         return None
 
+    def before_step(self) -> None:
+        """Called by the training step before each optimizer step's forwards, outside any compiled
+        graph, on every method module of the model (kerple projects its parameters here, so a
+        compiled forward mutates nothing). Default: nothing."""
+
     def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
         """A term ``(B, H, T)`` fp32 added to the logit of every query for key j, or None; ``x``
         is the attention input (B, T, d_model) after its RMSNorm. It needs no score function: the
