@@ -11,6 +11,7 @@ loss and the same gradients (to rounding), and leave the default path untouched.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_method as make
+from conftest import qk
 
-from conftest import make_method as make, qk
-from posbench.attention import attend, causal_block_mask, fold_key_bias, prebuilt_block_mask
+from posbench.attention import (
+    attend,
+    causal_block_mask,
+    fold_key_bias,
+    prebuilt_block_mask,
+)
 from posbench.methods import DenseScore, dense_score
 from posbench.model import ModelConfig, build_model, chunked_lm_loss, lm_loss
 
@@ -285,3 +292,41 @@ def test_kerple_default_compile_keeps_the_eager_numbers():
     runner = torch.compile(compiled, backend="eager")
     compiled.position.before_step()
     torch.testing.assert_close(runner(idx, targets=idx), eager(idx, targets=idx), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------- speed script
+
+
+def run_speed(tmp_path, *extra):
+    out = tmp_path / "speed.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "speed.py"), "--model", "tiny", "--batch-size", "2", "--context",
+           "16", "--vocab-size", "64", "--warmup", "1", "--steps", "2", "--rounds", "2", "--no-compile",
+           "--out", str(out), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    return done, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_speed_script_times_interleaved_variants_and_profiles_one(tmp_path):
+    done, report = run_speed(tmp_path, "--methods", "rope,fox", "--options", "base,fast+chunk=8",
+                             "--profile", "fox:default:fast+chunk=8")
+    assert done.returncode == 0, done.stderr
+    assert set(report["variants"]) == {"rope:default:base", "fox:default:base", "fox:default:fast+chunk=8"}
+    for result in report["variants"].values():
+        assert result["steps_timed"] == 4 and result["step_ms_median"] > 0 and math.isfinite(result["final_loss"])
+    assert report["skipped"] == [{"variant": "rope:default:fast+chunk=8", "reason": "rope has no fast option"}]
+    assert report["profile"]["variant"] == "fox:default:fast+chunk=8" and report["profile"]["host_ops_per_step"] > 0
+    assert "| fox:default:fast+chunk=8 |" in done.stdout
+
+
+def test_speed_script_skips_and_lists_what_does_not_fit_its_budget(tmp_path):
+    done, report = run_speed(tmp_path, "--methods", "rope,alibi,nope", "--budget-s", "0")
+    assert done.returncode == 0, done.stderr
+    assert list(report["variants"]) == ["rope:default:base"]  # the first always runs
+    assert [s["variant"] for s in report["skipped"]] == ["alibi:default:base", "nope:default:base"]
+    assert all(s["reason"].startswith("budget") for s in report["skipped"])
+
+
+def test_speed_script_refuses_an_unknown_option_in_one_line(tmp_path):
+    done, report = run_speed(tmp_path, "--options", "turbo")
+    assert done.returncode == 2 and report is None
+    assert done.stderr.strip() == "error: unknown speed option 'turbo'; use base, fast, chunk=N, inline_masks joined by +"
