@@ -29,7 +29,15 @@ from einops import einsum
 from torch import Tensor, nn
 
 from posbench.methods import register
-from posbench.methods.base import DenseScore, ModelDims, PositionMethod, ScoreFn, ValueTerm, distance, index_grid
+from posbench.methods.base import (
+    DenseScore,
+    ModelDims,
+    PositionMethod,
+    ScoreFn,
+    ValueTerm,
+    distance,
+    index_grid,
+)
 
 
 @register

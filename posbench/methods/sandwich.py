@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from posbench.methods import register
-from posbench.methods.base import DenseScore, ModelDims, PositionMethod, ScoreFn, distance
+from posbench.methods.base import (
+    DenseScore,
+    ModelDims,
+    PositionMethod,
+    ScoreFn,
+    distance,
+)
 
 
 @register

@@ -34,7 +34,14 @@ import torch
 from torch import Tensor, nn
 
 from posbench.methods import register
-from posbench.methods.base import DenseScore, ModelDims, PositionMethod, ScoreFn, distance, index_grid
+from posbench.methods.base import (
+    DenseScore,
+    ModelDims,
+    PositionMethod,
+    ScoreFn,
+    distance,
+    index_grid,
+)
 
 
 def causal_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
