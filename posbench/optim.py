@@ -15,7 +15,9 @@ methods' in-place parameter projections (kerple's) run before the step, outside 
 from __future__ import annotations
 
 import math
+import os
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -41,9 +43,22 @@ def check_compile_mode(t: TrainerConfig, device: torch.device) -> None:
         )
 
 
-def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """``torch.compile(model)`` in ``mode`` (``default``: exactly ``torch.compile(model)``)."""
+def compile_model(model: torch.nn.Module, mode: str, cache_dir: str | None = None) -> torch.nn.Module:
+    """``torch.compile(model)`` in ``mode`` (``default``: exactly ``torch.compile(model)``).
+    ``cache_dir``: Inductor's and Triton's caches go there (``trainer.compile_cache``)."""
+    if cache_dir:
+        use_compile_cache(cache_dir)
     return torch.compile(model) if mode == "default" else torch.compile(model, mode=mode)
+
+
+def use_compile_cache(cache_dir: str) -> Path:
+    """Point Inductor's (``TORCHINDUCTOR_CACHE_DIR``: FX graphs, AOT autograd, kernels) and Triton's
+    (``TRITON_CACHE_DIR``) caches at ``cache_dir``, before the first compilation reads them."""
+    path = Path(cache_dir).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    return path
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Callable[[int], float]:
@@ -138,5 +153,5 @@ def total_steps(t: TrainerConfig, tokens_per_step: int, steps_per_epoch: int) ->
     return max(1, round(t.epochs * steps_per_epoch))
 
 
-__all__ = ["TrainStep", "check_compile_mode", "compile_model", "compiles", "lr_lambda", "make_optimizer",
+__all__ = ["TrainStep", "check_compile_mode", "compile_model", "compiles", "use_compile_cache", "lr_lambda", "make_optimizer",
            "micro_batching", "total_steps"]

@@ -132,6 +132,10 @@ class TrainerConfig:
     """How a compiled model is compiled: default (``torch.compile(model)``) | reduce-overhead
     (CUDA graphs, CUDA only) | max-autotune-no-cudagraphs | max-autotune (CUDA graphs, CUDA only).
     Which are bitwise equal to default: docs/benchmarks.md."""
+    compile_cache: str | None = None
+    """A folder for torch.compile's caches (Inductor's compiled graphs and kernels, Triton's
+    kernels) kept across processes: a sweep's jobs of one shape compile once. None = torch's own
+    (a per-user temporary folder, lost with the machine). ``~`` is expanded."""
     loss_chunk: int | None = None
     """Tokens per chunk of a fused LM head + cross-entropy that never holds the whole (tokens,
     vocab) logits (its backward recomputes them chunk by chunk); None = the plain head and

@@ -254,7 +254,7 @@ class Trainer:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.raw_model, device_ids=device_ids)
         if compiles(t, self.device):
-            self.model = compile_model(self.model, t.compile_mode)
+            self.model = compile_model(self.model, t.compile_mode, t.compile_cache)
         self.environment = run_environment(t.precision, self.amp_dtype, self.device)  # results.json, W&B
         if self.is_main:
             self.log(environment_line(self.environment))

@@ -125,7 +125,7 @@ def build_variant(v: Variant, args: argparse.Namespace, model_cfg: ModelConfig, 
         peer_env = SimpleNamespace(model_cfg=model_cfg, device=device,
                                    settings=SimpleNamespace(context=args.context, eval_lengths=[args.context]))
         model = build_peer(peer_env)
-        runner = compile_model(model, v.mode) if args.compile else model
+        runner = compile_model(model, v.mode, args.compile_cache) if args.compile else model
 
         def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(runner(input_ids=x).logits.float().flatten(0, 1), y.flatten())
@@ -134,7 +134,7 @@ def build_variant(v: Variant, args: argparse.Namespace, model_cfg: ModelConfig, 
         model = build_model(model_cfg, v.method, {**load_method_options(v.method), **method_opts}).to(device)
         model.loss_chunk = options.get("chunk")
         model.prebuilt_masks = not options.get("inline_masks", False)
-        runner = compile_model(model, v.mode) if args.compile else model
+        runner = compile_model(model, v.mode, args.compile_cache) if args.compile else model
 
         def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return runner(x, targets=y)
@@ -225,6 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run")
+    p.add_argument("--compile-cache", default=None, help="folder kept across runs for compiled graphs and kernels")
     p.add_argument("--out", default="speed.json")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -330,3 +331,16 @@ def test_speed_script_refuses_an_unknown_option_in_one_line(tmp_path):
     done, report = run_speed(tmp_path, "--options", "turbo")
     assert done.returncode == 2 and report is None
     assert done.stderr.strip() == "error: unknown speed option 'turbo'; use base, fast, chunk=N, inline_masks joined by +"
+
+
+def test_compile_cache_points_inductor_and_triton_at_the_folder(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from posbench.optim import compile_model
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)
+    compile_model(torch.nn.Linear(2, 2), "default", str(tmp_path / "cc"))
+    assert cache_dir() == str(tmp_path / "cc")  # where Inductor reads and writes its caches
+    assert Path(os.environ["TRITON_CACHE_DIR"]) == tmp_path / "cc" / "triton"
