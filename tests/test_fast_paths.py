@@ -344,3 +344,17 @@ def test_compile_cache_points_inductor_and_triton_at_the_folder(tmp_path, monkey
     compile_model(torch.nn.Linear(2, 2), "default", str(tmp_path / "cc"))
     assert cache_dir() == str(tmp_path / "cc")  # where Inductor reads and writes its caches
     assert Path(os.environ["TRITON_CACHE_DIR"]) == tmp_path / "cc" / "triton"
+
+
+def test_a_layer_schedule_hands_over_its_fast_fox_layers_key_bias():
+    """Without the delegation the schedule's fox layers would lose their whole term."""
+    fox = {"method": "fox", "options": {"fast": True}}
+    ref = tiny_model("layers", "sdpa", pattern=[{"method": "fox"}, "rope"])
+    fast = tiny_model("layers", "sdpa", pattern=[fox, "rope"])
+    fast.load_state_dict(ref.state_dict())
+    assert not fast.position.has_score_term  # its only score term is now a key bias
+    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    (ref_loss, ref_grads), (loss, grads) = loss_and_grads(ref, idx), loss_and_grads(fast, idx)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
