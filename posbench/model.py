@@ -128,10 +128,11 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None,
-                window: int | None = None) -> Tensor:
+                window: int | None = None, shared: Any = None) -> Tensor:
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
         q, k = method.rotate_qk(q, k, positions, self.layer)  # (B, H, T, D) each
-        score = method.score_term(q, positions, self.layer, k=k, x=x) if method.has_score_term else None
+        extra = {} if shared is None else {"shared": shared}  # method.per_forward's result
+        score = method.score_term(q, positions, self.layer, k=k, x=x, **extra) if method.has_score_term else None
         value = method.value_term(positions, self.layer)
         backend = resolve_backend(self.backend, method, x.device, window)
         y = attend(q, k, v, score, backend, block_mask, window, value, method.normalizer(self.layer),
@@ -159,8 +160,8 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None,
-                window: int | None = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, method, block_mask, window)
+                window: int | None = None, shared: Any = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, method, block_mask, window, shared)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -224,8 +225,9 @@ class Transformer(nn.Module):
         pos_emb = self.position.input_embedding(positions)  # (T, C) or (B, T, C)
         if pos_emb is not None:
             x = x + pos_emb.to(x.dtype)
+        shared = self.position.per_forward(positions)  # a term all layers share, computed once
         for block, window in zip(self.blocks, windows):
-            x = block(x, positions, self.position, block_masks.get(window), window)
+            x = block(x, positions, self.position, block_masks.get(window), window, shared)
         return self.norm(x)
 
     def forward(self, idx: Tensor, positions: Tensor | None = None, targets: Tensor | None = None) -> Tensor:

@@ -358,3 +358,17 @@ def test_a_layer_schedule_hands_over_its_fast_fox_layers_key_bias():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["fire", "sandwich", "t5"])
+def test_a_shared_fast_term_is_built_once_per_forward_for_all_layers(method, monkeypatch):
+    model = tiny_model(method, "sdpa", fast=True)
+    built = []
+    original = type(model.position).dense_bias
+    monkeypatch.setattr(type(model.position), "dense_bias", lambda self, p: built.append(p) or original(self, p))
+    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    model(idx, targets=idx)
+    assert len(built) == 1  # not once per layer (the model has 2)
+    q, _ = qk(B=1, H=4, T=24, dtype=torch.float32)
+    model.position.score_term(q, torch.arange(24), 1)  # called alone (viz, probes): builds its own
+    assert len(built) == 2

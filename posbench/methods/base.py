@@ -178,6 +178,13 @@ class PositionMethod(nn.Module):
         """A value-side term for ``layer`` (see :class:`ValueTerm`), or None."""
         return None
 
+    def per_forward(self, positions: Tensor) -> Any:
+        """What every layer's score term shares within one forward (a term computed once for all
+        layers), or None. The model calls it once per forward and passes a non-None result to
+        each layer's :meth:`score_term` as ``shared=``; a score term called without it computes
+        the same thing itself. Default: None."""
+        return None
+
     def before_step(self) -> None:
         """Called by the training step before each optimizer step's forwards, outside any compiled
         graph, on every method module of the model (kerple projects its parameters here, so a

@@ -67,30 +67,40 @@ class FIRE(PositionMethod):
         # unit and its scalars c and L whole, so the compiled backward fails to lower.
         return {"flex": "FlexAttention's backward cannot give fire's MLP weights and scalars a gradient"}
 
-    def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
-        hidden, out = self.mlp[0], self.mlp[2]
-        w1, b1 = hidden.weight[:, 0], hidden.bias  # (W,)
-        w2 = out.weight  # (H, W)
-        c, threshold, eps = self.c, (self.L_multiplier * self.init_L).abs(), self.eps
+    def normalised_distance(self, positions: Tensor, b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """The MLP's input u = psi(i - j) / (psi(max(L, i)) + eps), fp32, in [0, 1] for causal keys."""
+        c, threshold = self.c, (self.L_multiplier * self.init_L).abs()
 
         def psi(x: Tensor) -> Tensor:
             return torch.log((c * x).abs() + 1)
 
+        d = distance(positions, b, q_idx, kv_idx).clamp(min=0).float()
+        normaliser = torch.maximum(position_at(positions, b, q_idx).float(), threshold)
+        return psi(d) / (psi(normaliser) + self.eps)
+
+    def per_forward(self, positions: Tensor) -> DenseScore | None:
+        return self.dense_bias(positions) if self.fast else None
+
+    def score_term(self, q: Tensor, positions: Tensor, layer: int, *, shared: DenseScore | None = None,
+                   **_) -> ScoreFn:
+        if self.fast:  # one module for all layers: the grid of this forward, or a fresh one
+            return shared if shared is not None else self.dense_bias(positions)
+        hidden, out = self.mlp[0], self.mlp[2]
+        w1, b1 = hidden.weight[:, 0], hidden.bias  # (W,)
+        w2 = out.weight  # (H, W)
+
         def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            d = distance(positions, b, q_idx, kv_idx).clamp(min=0).float()
-            normaliser = torch.maximum(position_at(positions, b, q_idx).float(), threshold)
-            u = psi(d) / (psi(normaliser) + eps)  # in [0, 1] for causal keys
+            u = self.normalised_distance(positions, b, q_idx, kv_idx)
             return sum(w2[h, n] * torch.relu(w1[n] * u + b1[n]) for n in range(w1.shape[0]))
 
-        if not self.fast:
-            return bias
-        b, q_idx, kv_idx = index_grid(positions)
-        with torch.autocast(q.device.type, enabled=False):
-            d = distance(positions, b, q_idx, kv_idx).clamp(min=0).float()
-            normaliser = torch.maximum(position_at(positions, b, q_idx).float(), threshold)
-            u = psi(d) / (psi(normaliser) + eps)  # (B|1, 1, T, T)
-            hidden = torch.relu(u[..., None] * w1.float() + b1.float())  # (B|1, 1, T, T, W)
-            grid = F.linear(hidden, w2.float())  # (B|1, 1, T, T, H)
+        return bias
+
+    def dense_bias(self, positions: Tensor) -> DenseScore:
+        """The bias on the full grid: one batched MLP over (B|1, T, T) inputs, fp32 under autocast."""
+        with torch.autocast(positions.device.type, enabled=False):
+            u = self.normalised_distance(positions, *index_grid(positions))  # (B|1, 1, T, T)
+            hidden = F.relu(self.mlp[0](u[..., None].float()))  # (B|1, 1, T, T, W)
+            grid = self.mlp[2](hidden)  # (B|1, 1, T, T, H)
         return DenseScore(grid[:, 0].permute(0, 3, 1, 2))  # (B|1, H, T, T)
 
     def extra_repr(self) -> str:

@@ -52,7 +52,13 @@ class Sandwich(PositionMethod):
         divisor = 8 * heads / dims.n_heads if compress_heads else torch.ones_like(heads)
         self.register_buffer("head_divisor", divisor, persistent=False)  # (H,)
 
-    def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
+    def per_forward(self, positions: Tensor) -> DenseScore | None:
+        return self.dense_bias(positions) if self.fast else None
+
+    def score_term(self, q: Tensor, positions: Tensor, layer: int, *, shared: DenseScore | None = None,
+                   **_) -> ScoreFn:
+        if self.fast:  # the same bias in every layer: this forward's grid, or a fresh one
+            return shared if shared is not None else self.dense_bias(positions)
         frequencies, half, divisor = self.frequencies, self.d_prime / 2, self.head_divisor
 
         def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -60,7 +66,7 @@ class Sandwich(PositionMethod):
             inner = sum(torch.cos(d * f) for f in frequencies)  # p_i . p_j
             return (inner - half) / divisor[h]
 
-        return self.dense_bias(positions) if self.fast else bias
+        return bias
 
     def dense_bias(self, positions: Tensor) -> DenseScore:
         """The bias as p_i . p_j - d'/2 on the full grid, from the embeddings (one matmul)."""

@@ -23,9 +23,8 @@ Two differences from ``transformers``' T5 worth knowing:
 
 ``fast: true`` builds the dense bias by a one-hot matmul, (T, T, buckets) x (buckets, H), whose
 forward is the default's gather bitwise and whose backward is a matmul instead of an indexed
-accumulation; the table's gradient then equals the default's to fp32 rounding. Every layer computes
-the same term from the shared table; compiled, the identical computations are one (common
-subexpressions are merged).
+accumulation; the table's gradient then equals the default's to fp32 rounding. The table is
+shared, so the grid is built once per forward (``per_forward``) and every layer adds the same one.
 """
 
 import math
@@ -92,22 +91,35 @@ class T5Bias(PositionMethod):
         return {"flex": "FlexAttention does not compile t5's table gather at head dim 64 on an H100 "
                         "(out of shared memory) and trains ~16x slower than SDPA"}
 
-    def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
-        table = self.bias.weight if self.bias_scale == 1.0 else self.bias.weight * self.bias_scale  # (buckets, H)
+    def table(self) -> Tensor:
+        """The learned bias per (bucket, head), times ``bias_scale``: (buckets, H)."""
+        return self.bias.weight if self.bias_scale == 1.0 else self.bias.weight * self.bias_scale
+
+    def per_forward(self, positions: Tensor) -> DenseScore | None:
+        return self.dense_bias(positions) if self.fast else None
+
+    def score_term(self, q: Tensor, positions: Tensor, layer: int, *, shared: DenseScore | None = None,
+                   **_) -> ScoreFn:
+        if self.fast:  # one table for all layers: this forward's grid, or a fresh one
+            return shared if shared is not None else self.dense_bias(positions)
+        table = self.table()  # (buckets, H)
         num_buckets, max_distance = self.num_buckets, self.max_distance
 
         def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             bucket = causal_bucket(distance(positions, b, q_idx, kv_idx), num_buckets, max_distance)
             return table[bucket, h]
 
-        if not self.fast:
-            return bias
+        return bias
+
+    def dense_bias(self, positions: Tensor) -> DenseScore:
+        """The bias on the full grid by a one-hot matmul: (B|1, H, T, T)."""
         b, q_idx, kv_idx = index_grid(positions)
-        bucket = causal_bucket(distance(positions, b, q_idx, kv_idx), num_buckets, max_distance)  # (B|1, 1, T, T)
-        with torch.autocast(q.device.type, enabled=False):
-            one_hot = torch.nn.functional.one_hot(bucket[:, 0], num_buckets).to(table.dtype)  # (B|1, T, T, n)
+        bucket = causal_bucket(distance(positions, b, q_idx, kv_idx), self.num_buckets, self.max_distance)
+        with torch.autocast(positions.device.type, enabled=False):
+            table = self.table()
+            one_hot = torch.nn.functional.one_hot(bucket[:, 0], self.num_buckets).to(table.dtype)  # (B|1, T, T, n)
             grid = one_hot @ table  # (B|1, T, T, H)
-        return DenseScore(grid.permute(0, 3, 1, 2))  # (B|1, H, T, T)
+        return DenseScore(grid.permute(0, 3, 1, 2))
 
     def extra_repr(self) -> str:
         return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, bias_scale={self.bias_scale:g}, fast={self.fast}"
