@@ -372,3 +372,19 @@ def test_a_shared_fast_term_is_built_once_per_forward_for_all_layers(method, mon
     q, _ = qk(B=1, H=4, T=24, dtype=torch.float32)
     model.position.score_term(q, torch.arange(24), 1)  # called alone (viz, probes): builds its own
     assert len(built) == 2
+
+
+def test_an_evaluation_extension_keeps_fast_fox_exact_or_refuses_in_one_line():
+    from posbench.errors import PosbenchError
+    from posbench.extension import ExtendedPosition
+
+    ref, fast = tiny_model("fox", "sdpa"), tiny_model("fox", "sdpa", fast=True)
+    fast.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    for model in (ref, fast):
+        model.position = ExtendedPosition(model.position, window=8)  # a mask on top: the key bias is kept
+    with torch.no_grad():
+        torch.testing.assert_close(fast(idx, targets=idx), ref(idx, targets=idx), rtol=1e-6, atol=1e-6)
+    fast.position = ExtendedPosition(fast.position.inner, log_context=8)
+    with pytest.raises(PosbenchError, match="cannot scale fox's key bias"):
+        fast(idx, targets=idx)

@@ -234,6 +234,11 @@ class OverBase(PositionMethod):
     def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
         return self.inner.value_term(positions, layer)
 
+    def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
+        # A wrapper that transforms the logits (dape's MLP, ssmax's scale) builds its base with the
+        # base's defaults, which have no key bias; one that only adds or masks keeps it exact.
+        return self.inner.key_bias(x, layer)
+
     def attention_window(self, layer: int) -> int | None:
         return self.inner.attention_window(layer)
 
