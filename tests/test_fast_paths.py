@@ -388,3 +388,23 @@ def test_an_evaluation_extension_keeps_fast_fox_exact_or_refuses_in_one_line():
     fast.position = ExtendedPosition(fast.position.inner, log_context=8)
     with pytest.raises(PosbenchError, match="cannot scale fox's key bias"):
         fast(idx, targets=idx)
+
+
+@pytest.mark.parametrize("method", FAST_METHODS)
+def test_fast_paths_trace_into_one_compiled_graph(method):
+    """Compiled (aot_eager: dynamo + autograd tracing, no codegen), with the chunked loss too:
+    no graph break, and the same loss and gradients as eager."""
+    options = {"value_term": False} if method == "relative" else {}
+    model = tiny_model(method, "sdpa", fast=True, **options)
+    model.loss_chunk = 10
+    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    eager_loss, eager_grads = loss_and_grads(model, idx)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(idx, targets=idx.roll(-1, dims=1))
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), eager_loss, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        if name in eager_grads:
+            torch.testing.assert_close(p.grad, eager_grads[name], rtol=1e-5, atol=1e-6)
