@@ -210,6 +210,13 @@ class ExtendedPosition(OverBase):
             self.remapped = (*pairs[0], *pairs[1])
         return pairs[0]
 
+    def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
+        bias = self.inner.key_bias(x, layer)
+        if bias is not None and self.log_context is not None:  # it would need the per-query scale too
+            raise PosbenchError(f"eval.extension=log_scaling cannot scale {self.name}'s key bias (method.fast=true); "
+                                "evaluate this run without log_scaling")
+        return bias
+
     def remap_term(self, q: Tensor, k: Tensor | None, positions: Tensor) -> Tensor:
         """(B, H, T, T) fp32: the remapped logits minus the plain ones where d >= window, else 0."""
         if self.remapped is None or self.remapped[0] is not q or self.remapped[1] is not k:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from posbench.attention import BACKENDS, attend, causal_block_mask, resolve_backend
+from posbench.attention import BACKENDS, attend, causal_block_mask, prebuilt_block_mask, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.methods import ModelDims, PositionMethod, build_method
 
@@ -128,13 +128,15 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None,
-                window: int | None = None) -> Tensor:
+                window: int | None = None, shared: Any = None) -> Tensor:
         q, k, v = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.n_heads)
         q, k = method.rotate_qk(q, k, positions, self.layer)  # (B, H, T, D) each
-        score = method.score_term(q, positions, self.layer, k=k, x=x) if method.has_score_term else None
+        extra = {} if shared is None else {"shared": shared}  # method.per_forward's result
+        score = method.score_term(q, positions, self.layer, k=k, x=x, **extra) if method.has_score_term else None
         value = method.value_term(positions, self.layer)
         backend = resolve_backend(self.backend, method, x.device, window)
-        y = attend(q, k, v, score, backend, block_mask, window, value, method.normalizer(self.layer))  # (B, H, T, D)
+        y = attend(q, k, v, score, backend, block_mask, window, value, method.normalizer(self.layer),
+                   method.key_bias(x, self.layer))  # (B, H, T, D)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -158,13 +160,23 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None,
-                window: int | None = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, method, block_mask, window)
+                window: int | None = None, shared: Any = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, method, block_mask, window, shared)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
-    """Token ids (B, T) -> logits (B, T, vocab)."""
+    """Token ids (B, T) -> logits (B, T, vocab).
+
+    Two switches that change how, never what, it computes (set by the trainer from
+    ``trainer.loss_chunk``; ``scripts/speed.py`` times both sides): ``loss_chunk`` (None: the loss
+    of :func:`lm_loss`; N: :func:`chunked_lm_loss`, N tokens at a time, equal to rounding) and
+    ``prebuilt_masks`` (True: flex's BlockMasks come from a cache outside any compiled graph,
+    :func:`posbench.attention.prebuilt_block_mask`; False: built inside the graph, every forward).
+    """
+
+    loss_chunk: int | None = None
+    prebuilt_masks: bool = True
 
     def __init__(self, cfg: ModelConfig, method: PositionMethod) -> None:
         super().__init__()
@@ -199,6 +211,12 @@ class Transformer(nn.Module):
         own row); default ``arange(T)``.
         """
         B, T = idx.shape
+        windows = layer_windows(self.cfg, self.position)
+        block_masks = {}  # once per forward and distinct window, shared by the layers that use it
+        build_mask = prebuilt_block_mask if self.prebuilt_masks else causal_block_mask
+        for window in dict.fromkeys(windows):
+            if resolve_backend(self.cfg.attention, self.position, idx.device, window) == "flex":
+                block_masks[window] = build_mask(T, str(idx.device), window)
         if positions is None:
             positions = torch.arange(T, device=idx.device)
         if positions.shape not in ((T,), (B, T)):
@@ -207,13 +225,9 @@ class Transformer(nn.Module):
         pos_emb = self.position.input_embedding(positions)  # (T, C) or (B, T, C)
         if pos_emb is not None:
             x = x + pos_emb.to(x.dtype)
-        windows = layer_windows(self.cfg, self.position)
-        block_masks = {}  # once per forward and distinct window, shared by the layers that use it
-        for window in dict.fromkeys(windows):
-            if resolve_backend(self.cfg.attention, self.position, idx.device, window) == "flex":
-                block_masks[window] = causal_block_mask(T, str(idx.device), window)
+        shared = self.position.per_forward(positions)  # a term all layers share, computed once
         for block, window in zip(self.blocks, windows):
-            x = block(x, positions, self.position, block_masks.get(window), window)
+            x = block(x, positions, self.position, block_masks.get(window), window, shared)
         return self.norm(x)
 
     def forward(self, idx: Tensor, positions: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
@@ -222,6 +236,8 @@ class Transformer(nn.Module):
         hidden = self.hidden_states(idx, positions)  # (B, T, C)
         if targets is None:
             return self.lm_head(hidden)  # (B, T, vocab)
+        if self.loss_chunk:
+            return chunked_lm_loss(hidden, self.lm_head.weight, targets, self.loss_chunk)
         return lm_loss(hidden, self.lm_head, targets)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
@@ -284,6 +300,59 @@ def lm_loss(hidden: Tensor, head: nn.Linear, targets: Tensor) -> Tensor:
         total = total + F.cross_entropy(logits, targets[start:start + rows], reduction="sum")
     # The mean over scored targets, as F.cross_entropy's: a task's non-answer targets are -100.
     return total / max(int((targets != -100).sum()), 1)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden @ weight^T`` against ``targets``, ``chunk`` rows at a time:
+    the (N, vocab) logits are never held whole, in the forward nor in the backward, which
+    recomputes each chunk's logits and turns them into the gradients of that chunk. Logits and
+    softmax in fp32; matmuls in the inputs' dtype. Targets of -100 are not scored."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        # hidden (N, C), weight (V, C), targets (N,)
+        scored = targets != -100
+        count = scored.sum().clamp(min=1).float()
+        lse = hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # (N,) kept for the backward
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = (hidden[rows] @ weight.t()).float()  # (n, V)
+            lse[rows] = logits.logsumexp(dim=-1)
+            picked = logits.gather(1, targets[rows].clamp(min=0)[:, None])[:, 0]  # (n,)
+            total = total + torch.where(scored[rows], lse[rows] - picked, 0.0).sum()
+        ctx.save_for_backward(hidden, weight, targets, lse, count)
+        ctx.chunk = chunk
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        hidden, weight, targets, lse, count = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        scale = grad.float() / count
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            logits = (hidden[rows] @ weight.t()).float()  # (n, V)
+            dlogits = (logits - lse[rows, None]).exp()  # softmax
+            target = targets[rows]
+            dlogits.scatter_add_(1, target.clamp(min=0)[:, None], torch.full_like(dlogits[:, :1], -1.0))
+            dlogits = (dlogits * torch.where(target != -100, scale, 0.0)[:, None]).to(hidden.dtype)
+            grad_hidden[rows] = dlogits @ weight
+            grad_weight += (dlogits.t() @ hidden[rows]).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
+
+
+def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    """:func:`lm_loss` (mean cross-entropy, fp32) through :class:`ChunkedCrossEntropy`:
+    (B, T, C), (vocab, C), (B, T) -> scalar. Under autocast the matmuls run in its dtype, as the
+    LM head's would; equal to :func:`lm_loss` to rounding (summation order)."""
+    hidden, targets = hidden.flatten(0, 1), targets.flatten()  # (N, C), (N,)
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return ChunkedCrossEntropy.apply(hidden, weight, targets, chunk)
 
 
 def build_model(cfg: ModelConfig, method: str, method_options: dict[str, Any] | None = None) -> Transformer:

@@ -4,12 +4,20 @@
 
 :class:`TrainStep` is the only implementation of that step: ``posbench train`` calls it once per
 optimizer step and ``posbench bench`` times it, so the benchmark measures exactly what trains.
+
+:func:`compile_model` compiles the model in ``trainer.compile_mode``; under a CUDA-graph mode the
+step marks each micro-batch's forward as a new replay (``torch.compiler.cudagraph_mark_step_begin``)
+and keeps nothing a replay overwrites (the loss is added into a tensor of its own at once), and
+methods' in-place parameter projections (kerple's) run before the step, outside any graph
+(:meth:`posbench.methods.PositionMethod.before_step`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -17,7 +25,40 @@ from torch import Tensor
 
 from posbench.device import autocast
 from posbench.errors import PosbenchError
-from posbench.settings import TrainerConfig
+from posbench.methods import PositionMethod
+from posbench.settings import CUDA_GRAPH_MODES, TrainerConfig
+
+
+def compiles(t: TrainerConfig, device: torch.device) -> bool:
+    """Whether the model is compiled: ``trainer.compile`` true, or auto on CUDA."""
+    return str(t.compile).lower() == "true" or (str(t.compile).lower() == "auto" and device.type == "cuda")
+
+
+def check_compile_mode(t: TrainerConfig, device: torch.device) -> None:
+    """A CUDA-graph ``trainer.compile_mode`` for a model compiled off CUDA is one line."""
+    if compiles(t, device) and t.compile_mode in CUDA_GRAPH_MODES and device.type != "cuda":
+        raise PosbenchError(
+            f"trainer.compile_mode={t.compile_mode} captures CUDA graphs and needs a CUDA device, not {device.type}; "
+            "use trainer.compile_mode=default (or max-autotune-no-cudagraphs)"
+        )
+
+
+def compile_model(model: torch.nn.Module, mode: str, cache_dir: str | None = None) -> torch.nn.Module:
+    """``torch.compile(model)`` in ``mode`` (``default``: exactly ``torch.compile(model)``).
+    ``cache_dir``: Inductor's and Triton's caches go there (``trainer.compile_cache``)."""
+    if cache_dir:
+        use_compile_cache(cache_dir)
+    return torch.compile(model) if mode == "default" else torch.compile(model, mode=mode)
+
+
+def use_compile_cache(cache_dir: str) -> Path:
+    """Point Inductor's (``TORCHINDUCTOR_CACHE_DIR``: FX graphs, AOT autograd, kernels) and Triton's
+    (``TRITON_CACHE_DIR``) caches at ``cache_dir``, before the first compilation reads them."""
+    path = Path(cache_dir).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    return path
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Callable[[int], float]:
@@ -63,6 +104,8 @@ class TrainStep:
             self.optimizer, lr_lambda(total_steps, t.warmup_steps, t.min_lr_ratio)
         )
         self.lr_used = float("nan")  # the learning rate of the last step
+        check_compile_mode(t, device)
+        self.cuda_graphs = compiles(t, device) and t.compile_mode in CUDA_GRAPH_MODES
 
     def __call__(self, micro_loss: Callable[[int], Tensor], accum: int = 1,
                  no_sync: Callable[[int], ContextManager[Any]] | None = None) -> Tensor:
@@ -71,7 +114,12 @@ class TrainStep:
         summed loss as a device tensor (no host sync). ``no_sync(i)``: the DDP context of
         micro-batch i (gradients are all-reduced once, on the last one)."""
         loss_sum = torch.zeros((), device=self.device)
+        for module in self.model.modules():  # outside any compiled graph (kerple's projection)
+            if isinstance(module, PositionMethod):
+                module.before_step()
         for i in range(accum):
+            if self.cuda_graphs:  # a new replay: the previous micro-batch's graph outputs are done with
+                torch.compiler.cudagraph_mark_step_begin()
             with (no_sync(i) if no_sync is not None else nullcontext()), autocast(self.device, self.amp_dtype):
                 loss = micro_loss(i) / accum
             loss.backward()
@@ -105,4 +153,5 @@ def total_steps(t: TrainerConfig, tokens_per_step: int, steps_per_epoch: int) ->
     return max(1, round(t.epochs * steps_per_epoch))
 
 
-__all__ = ["TrainStep", "lr_lambda", "make_optimizer", "micro_batching", "total_steps"]
+__all__ = ["TrainStep", "check_compile_mode", "compile_model", "compiles", "use_compile_cache", "lr_lambda", "make_optimizer",
+           "micro_batching", "total_steps"]

@@ -88,6 +88,10 @@ RESULT_SETTINGS = ("context", "batch_size", "lr", "min_lr_ratio", "warmup_steps"
                    "beta1", "beta2", "grad_clip", "precision")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture CUDA graphs
+
+
 @dataclass
 class TrainerConfig:
     """How a model is trained. Defaults reproduce the seed article's setup."""
@@ -124,6 +128,18 @@ class TrainerConfig:
     CPUs with native bf16 (AVX512-BF16 / AMX / Arm BF16), fp32 on other CPUs."""
     compile: str = "auto"
     """auto | true | false: torch.compile the model. auto = on for CUDA, off on CPU."""
+    compile_mode: str = "default"
+    """How a compiled model is compiled: default (``torch.compile(model)``) | reduce-overhead
+    (CUDA graphs, CUDA only) | max-autotune-no-cudagraphs | max-autotune (CUDA graphs, CUDA only).
+    Which are bitwise equal to default: docs/benchmarks.md."""
+    compile_cache: str | None = None
+    """A folder for torch.compile's caches (Inductor's compiled graphs and kernels, Triton's
+    kernels) kept across processes: a sweep's jobs of one shape compile once. None = torch's own
+    (a per-user temporary folder, lost with the machine). ``~`` is expanded."""
+    loss_chunk: int | None = None
+    """Tokens per chunk of a fused LM head + cross-entropy that never holds the whole (tokens,
+    vocab) logits (its backward recomputes them chunk by chunk); None = the plain head and
+    ``F.cross_entropy``. Equal to rounding, not bitwise (docs/benchmarks.md)."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. auto = cuda when available."""
     log_every: int = 10
@@ -156,7 +172,8 @@ class TrainerConfig:
         _positive(s, context=self.context, batch_size=self.batch_size, lr=self.lr,
                   micro_batch_size=self.micro_batch_size, max_steps=self.max_steps,
                   max_tokens=self.max_tokens, log_every=self.log_every,
-                  val_sequences=self.val_sequences, keep_checkpoints=self.keep_checkpoints)
+                  val_sequences=self.val_sequences, keep_checkpoints=self.keep_checkpoints,
+                  loss_chunk=self.loss_chunk)
         if not self.epochs > 0:
             raise PosbenchError(f"trainer.epochs must be positive, got {self.epochs}")
         for name in ("warmup_steps", "val_every", "val_extrapolation_sequences", "checkpoint_every_steps", "grad_clip",
@@ -171,6 +188,8 @@ class TrainerConfig:
             raise PosbenchError(f"trainer.precision must be auto, fp32 or bf16, got {self.precision!r}")
         if str(self.compile).lower() not in ("auto", "true", "false"):
             raise PosbenchError(f"trainer.compile must be auto, true or false, got {self.compile!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise PosbenchError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
 
 
 @dataclass

@@ -43,7 +43,7 @@ from posbench import loggers
 from posbench.loggers import make_progress, wandb_group
 from posbench.methods import ParameterDrift
 from posbench.model import build_model
-from posbench.optim import TrainStep, micro_batching, total_steps
+from posbench.optim import TrainStep, compile_model, compiles, micro_batching, total_steps
 from posbench.plot import write_run_figures
 from posbench.positions import TrainingPositions
 from posbench.preemption import StopRequest
@@ -169,6 +169,7 @@ class Trainer:
         self.micro, self.accum = micro_batching(t, self.dist_info.world_size)
         check_memory_fits(spec, self.micro, self.device)
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
+        self.raw_model.loss_chunk = t.loss_chunk  # how the loss is computed, not what (trainer.loss_chunk)
         self.position_drift = ParameterDrift(self.raw_model.position)  # p_0: the seed's init, also on resume
         self.train_positions = TrainingPositions(self.cfg, spec.method, t.context, self.raw_model.position.max_positions,
                                                  spec.seed, self.dist_info.rank, self.device)  # randomized (or arange)
@@ -252,9 +253,8 @@ class Trainer:
         if self.dist_info.enabled:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.raw_model, device_ids=device_ids)
-        use_compile = str(t.compile).lower() == "true" or (str(t.compile).lower() == "auto" and self.device.type == "cuda")
-        if use_compile:
-            self.model = torch.compile(self.model)
+        if compiles(t, self.device):
+            self.model = compile_model(self.model, t.compile_mode, t.compile_cache)
         self.environment = run_environment(t.precision, self.amp_dtype, self.device)  # results.json, W&B
         if self.is_main:
             self.log(environment_line(self.environment))

@@ -99,9 +99,9 @@ def test_resuming_an_old_t5_run_names_its_bias_scale(old_t5_run):
 def test_new_runs_record_the_options_whose_default_changed():
     from posbench.spec import MethodSpec
 
-    assert MethodSpec.from_config("t5").recorded().options == {"bias_scale": None}
-    assert MethodSpec.from_saved("t5").options == {"bias_scale": 1.0}
-    assert MethodSpec.from_saved({"name": "t5", "bias_scale": None}).options == {"bias_scale": None}
+    assert MethodSpec.from_config("t5").recorded().options == {"bias_scale": None, "fast": False}
+    assert MethodSpec.from_saved("t5").options == {"bias_scale": 1.0, "fast": False}
+    assert MethodSpec.from_saved({"name": "t5", "bias_scale": None}).options == {"bias_scale": None, "fast": False}
 
 
 # ----------------------------------------------------------------------------- item 5

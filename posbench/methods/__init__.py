@@ -13,6 +13,7 @@ from typing import Any
 from posbench.errors import PosbenchError
 from posbench.settings import coerce_value
 from posbench.methods.base import (
+    DenseScore,
     InputTable,
     ModelDims,
     ParameterDrift,
@@ -22,6 +23,7 @@ from posbench.methods.base import (
     ValueTerm,
     dense_score,
     distance,
+    index_grid,
     needs,
     position_at,
 )
@@ -119,6 +121,7 @@ for _module in _method_modules():
     importlib.import_module(f"posbench.methods.{_module}")
 
 __all__ = [
+    "DenseScore",
     "InputTable",
     "ModelDims",
     "ParameterDrift",
@@ -129,6 +132,7 @@ __all__ = [
     "build_method",
     "dense_score",
     "distance",
+    "index_grid",
     "list_methods",
     "method_class",
     "method_options",

@@ -70,6 +70,33 @@ class ValueTerm:
 
     bucket: ScoreFn
     table: Tensor
+    mass: Callable[[Tensor], Tensor] | None = None
+    """Optional: probabilities (B, H, T, T) -> their sum per bucket (B, H, T, n_buckets), the
+    same sums ``bucket`` defines, computed without a scatter (relative's ``fast`` path)."""
+
+
+class DenseScore:
+    """A score term handed over as its dense grid ``(B|1, H|1, T, T)`` for one length: eager
+    and SDPA take the grid as it is (:func:`dense_score`), FlexAttention reads it element by
+    element. The ``fast`` paths of fire, sandwich and t5 build their term this way, as batched
+    tensor ops, instead of a function evaluated once per (query, key) pair."""
+
+    def __init__(self, grid: Tensor) -> None:
+        self.grid = grid
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        grid = self.grid
+        return grid[b if grid.shape[0] > 1 else 0, h if grid.shape[1] > 1 else 0, q_idx, kv_idx]
+
+
+def index_grid(positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Broadcast (batch, query, key) index grids over ``positions`` (T,) or (B, T):
+    (B|1, 1, 1, 1), (1, 1, T, 1), (1, 1, 1, T); ``b`` spans the batch only for per-row positions."""
+    T = positions.shape[-1]
+    idx = torch.arange(T, device=positions.device)
+    batch = positions.shape[0] if positions.dim() == 2 else 1
+    b = torch.arange(batch, device=positions.device).view(-1, 1, 1, 1)
+    return b, idx.view(1, 1, -1, 1), idx.view(1, 1, 1, -1)
 
 
 def position_at(positions: Tensor, b: Tensor, idx: Tensor) -> Tensor:
@@ -151,6 +178,24 @@ class PositionMethod(nn.Module):
         """A value-side term for ``layer`` (see :class:`ValueTerm`), or None."""
         return None
 
+    def per_forward(self, positions: Tensor) -> Any:
+        """What every layer's score term shares within one forward (a term computed once for all
+        layers), or None. The model calls it once per forward and passes a non-None result to
+        each layer's :meth:`score_term` as ``shared=``; a score term called without it computes
+        the same thing itself. Default: None."""
+        return None
+
+    def before_step(self) -> None:
+        """Called by the training step before each optimizer step's forwards, outside any compiled
+        graph, on every method module of the model (kerple projects its parameters here, so a
+        compiled forward mutates nothing). Default: nothing."""
+
+    def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
+        """A term ``(B, H, T)`` fp32 added to the logit of every query for key j, or None; ``x``
+        is the attention input (B, T, d_model) after its RMSNorm. It needs no score function: the
+        backends fold it into extra key channels, so it runs in fused SDPA (fox's ``fast`` path)."""
+        return None
+
     def attention_window(self, layer: int) -> int | None:
         """A sliding window the method imposes on ``layer`` (keys W or more positions back are
         masked), or None. ``model.attention_window`` still applies: a layer keeps the narrower."""
@@ -188,6 +233,11 @@ class OverBase(PositionMethod):
 
     def value_term(self, positions: Tensor, layer: int) -> ValueTerm | None:
         return self.inner.value_term(positions, layer)
+
+    def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
+        # A wrapper that transforms the logits (dape's MLP, ssmax's scale) builds its base with the
+        # base's defaults, which have no key bias; one that only adds or masks keeps it exact.
+        return self.inner.key_bias(x, layer)
 
     def attention_window(self, layer: int) -> int | None:
         return self.inner.attention_window(layer)
@@ -300,6 +350,8 @@ def check_table_range(positions: Tensor, max_positions: int, method: str) -> Non
 
 def dense_score(fn: ScoreFn, batch: int, heads: int, length: int, device: torch.device) -> Tensor:
     """Materialise ``fn`` on the full index grid -> (B or 1, H, T, T) (B only if fn uses it)."""
+    if isinstance(fn, DenseScore):  # already dense
+        return fn.grid.expand(fn.grid.shape[0], heads, length, length)
     idx = torch.arange(length, device=device)
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)

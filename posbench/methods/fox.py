@@ -12,6 +12,12 @@ as a ``score_mod``. There is no other position signal, as in the paper. Initiali
 paper's code (Hugging Face style): gate weights ~ N(0, ``init_std``), bias 0 (f ~ 0.5 at init).
 Past the training context nothing is out of distribution by construction: the gate sees content,
 never positions.
+
+``fast: true`` drops the query side: c_i is the same for every key of query i's softmax row, so it
+cancels exactly, and softmax_j(q_i.k_j / sqrt(D) + c_i - c_j) = softmax_j(q_i.k_j / sqrt(D) - c_j).
+The key-side -c_j is handed over as a :meth:`key_bias`, which the backends fold into extra key
+channels (with query channels of 1), so fox runs in fused SDPA (flash) without a score function;
+equal to the default to fp32 rounding (docs/benchmarks.md).
 """
 
 import torch
@@ -28,11 +34,14 @@ class FoX(PositionMethod):
     name = "fox"
     has_score_term = True
     uses_positions = False
+    options_before = {"fast": False}  # runs from before the fast path folded the gate into keys
 
-    def __init__(self, dims: ModelDims, *, init_std: float = 0.02) -> None:
+    def __init__(self, dims: ModelDims, *, init_std: float = 0.02, fast: bool = False) -> None:
         super().__init__(dims)
         self.gates = nn.ModuleList(nn.Linear(dims.d_model, dims.n_heads) for _ in range(dims.n_layers))
         self.init_std = init_std
+        self.fast = bool(fast)
+        self.has_score_term = not self.fast  # the fast path's term is a key bias, no score function
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -46,7 +55,13 @@ class FoX(PositionMethod):
         log_f = F.logsigmoid(gate(x.to(gate.weight.dtype)).float())  # (B, T, H)
         return rearrange(log_f.cumsum(dim=1), "b t h -> b h t")
 
-    def score_term(self, q: Tensor, positions: Tensor, layer: int, *, x: Tensor | None = None, **_) -> ScoreFn:
+    def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
+        """-c_j (B, H, T) fp32 on the fast path (the query side c_i cancels in the softmax)."""
+        return -self.log_forget_cumsum(x, layer) if self.fast else None
+
+    def score_term(self, q: Tensor, positions: Tensor, layer: int, *, x: Tensor | None = None, **_) -> ScoreFn | None:
+        if self.fast:
+            return None
         c = self.log_forget_cumsum(needs(x, "the layer input x", self.name), layer)
         c_key = c.clone()  # FlexAttention's backward cannot index one grad-requiring tensor twice
 
@@ -54,3 +69,6 @@ class FoX(PositionMethod):
             return c[b, h, q_idx] - c_key[b, h, kv_idx]
 
         return bias
+
+    def extra_repr(self) -> str:
+        return f"fast={self.fast}"

@@ -65,8 +65,15 @@ class Kerple(PositionMethod):
         self.r1.clamp_(min=EPS)
         self.r2.clamp_(min=EPS, max=2.0 if self.variant == "power" else None)
 
-    def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
+    def before_step(self) -> None:
         self.project_()
+
+    def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
+        # Compiled, the training step has projected already (before_step): an in-place update of
+        # a parameter inside the graph would keep CUDA graphs from capturing it. The values are
+        # the same either way (the projection is idempotent).
+        if not torch.compiler.is_compiling():
+            self.project_()
         # Copies, not views: the next layer's in-place projection bumps the version of r1 and r2,
         # which would invalidate a view that FlexAttention saved for its backward.
         r1, r2 = self.r1[layer].clone(), self.r2[layer].clone()  # (H,)

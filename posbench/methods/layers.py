@@ -154,6 +154,10 @@ class Layers(PositionMethod):
         sub, rank = self.sub(layer)
         return sub.value_term(positions, rank)
 
+    def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
+        sub, rank = self.sub(layer)
+        return sub.key_bias(x, rank)
+
     def attention_window(self, layer: int) -> int | None:
         sub, rank = self.sub(layer)
         given = [w for w in (self.layer_window[layer], sub.attention_window(rank)) if w is not None]

@@ -20,6 +20,11 @@ Two differences from ``transformers``' T5 worth knowing:
 - The last bucket: with the defaults (32 buckets, max_distance 128) bucket 31 starts at distance
   113, not 128: bucket = 16 + floor(16 * log(n / 16) / log(8)) reaches 31 once
   n >= 16 * 8^(15/16) = 112.4. Distances 113 and beyond all share it (as in T5 itself).
+
+``fast: true`` builds the dense bias by a one-hot matmul, (T, T, buckets) x (buckets, H), whose
+forward is the default's gather bitwise and whose backward is a matmul instead of an indexed
+accumulation; the table's gradient then equals the default's to fp32 rounding. The table is
+shared, so the grid is built once per forward (``per_forward``) and every layer adds the same one.
 """
 
 import math
@@ -28,7 +33,14 @@ import torch
 from torch import Tensor, nn
 
 from posbench.methods import register
-from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, distance
+from posbench.methods.base import (
+    DenseScore,
+    ModelDims,
+    PositionMethod,
+    ScoreFn,
+    distance,
+    index_grid,
+)
 
 
 def causal_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
@@ -46,11 +58,11 @@ class T5Bias(PositionMethod):
     name = "t5"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
-    options_before = {"bias_scale": 1.0}  # runs from before issue 23 trained the unscaled bias
+    options_before = {"bias_scale": 1.0, "fast": False}  # bias_scale: runs from before issue 23 trained the unscaled bias
 
     def __init__(
         self, dims: ModelDims, *, num_buckets: int = 32, max_distance: int = 128, init_std: float = 0.02,
-        bias_scale: float | None = None,
+        bias_scale: float | None = None, fast: bool = False,
     ) -> None:
         """``bias_scale``: factor on the learned table; None = sqrt(head_dim) (x-transformers),
         1.0 = the unscaled bias of posbench before issue 23."""
@@ -64,6 +76,7 @@ class T5Bias(PositionMethod):
         self.max_distance = max_distance
         self.bias = nn.Embedding(num_buckets, dims.n_heads)  # (buckets, H), shared across layers
         self.init_std = init_std
+        self.fast = bool(fast)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -78,8 +91,18 @@ class T5Bias(PositionMethod):
         return {"flex": "FlexAttention does not compile t5's table gather at head dim 64 on an H100 "
                         "(out of shared memory) and trains ~16x slower than SDPA"}
 
-    def score_term(self, q: Tensor, positions: Tensor, layer: int, **_) -> ScoreFn:
-        table = self.bias.weight if self.bias_scale == 1.0 else self.bias.weight * self.bias_scale  # (buckets, H)
+    def table(self) -> Tensor:
+        """The learned bias per (bucket, head), times ``bias_scale``: (buckets, H)."""
+        return self.bias.weight if self.bias_scale == 1.0 else self.bias.weight * self.bias_scale
+
+    def per_forward(self, positions: Tensor) -> DenseScore | None:
+        return self.dense_bias(positions) if self.fast else None
+
+    def score_term(self, q: Tensor, positions: Tensor, layer: int, *, shared: DenseScore | None = None,
+                   **_) -> ScoreFn:
+        if self.fast:  # one table for all layers: this forward's grid, or a fresh one
+            return shared if shared is not None else self.dense_bias(positions)
+        table = self.table()  # (buckets, H)
         num_buckets, max_distance = self.num_buckets, self.max_distance
 
         def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -88,5 +111,15 @@ class T5Bias(PositionMethod):
 
         return bias
 
+    def dense_bias(self, positions: Tensor) -> DenseScore:
+        """The bias on the full grid by a one-hot matmul: (B|1, H, T, T)."""
+        b, q_idx, kv_idx = index_grid(positions)
+        bucket = causal_bucket(distance(positions, b, q_idx, kv_idx), self.num_buckets, self.max_distance)
+        with torch.autocast(positions.device.type, enabled=False):
+            table = self.table()
+            one_hot = torch.nn.functional.one_hot(bucket[:, 0], self.num_buckets).to(table.dtype)  # (B|1, T, T, n)
+            grid = one_hot @ table  # (B|1, T, T, H)
+        return DenseScore(grid.permute(0, 3, 1, 2))
+
     def extra_repr(self) -> str:
-        return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, bias_scale={self.bias_scale:g}"
+        return f"num_buckets={self.num_buckets}, max_distance={self.max_distance}, bias_scale={self.bias_scale:g}, fast={self.fast}"
