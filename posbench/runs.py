@@ -168,11 +168,15 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     prepared = run_data(run, log) if task is None else None
     other_path = cfg.get("data", {}).get("path") if cfg.get("data") else None
     if run.results is None and not other_path:
-        # Stopped after its final checkpoint (during its final evaluation), or its results.json
-        # was damaged: the run's own final evaluation, under its own eval settings, finishes it
-        # (refused while steps remain to train); what else was asked is then added beside it.
-        run.results = finish_run(run.path, run.config, log, device=str(device))
-        if section == run_eval_section(OmegaConf.create({}), run)[0] and not probes_only:
+        # Its results.json was damaged: the run's own evaluation is recomputed under its own eval
+        # settings, and what else was asked is then added beside it (never a headline from other
+        # settings). Stopped after its final checkpoint (during its final evaluation, no
+        # results.json yet): its final evaluation at these settings finishes it, and its
+        # config.yaml records them. Both are refused while steps remain to train.
+        damaged = RunDir(run.path).results_path.is_file()
+        run.results = finish_run(run.path, run.config, log, device=str(device),
+                                 evaluation=None if damaged else OmegaConf.create(section))
+        if not damaged or (section == run_eval_section(OmegaConf.create({}), run)[0] and not probes_only):
             return run.results
     source = "run"
     if other_path:
