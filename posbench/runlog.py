@@ -98,17 +98,8 @@ class HydraRecord:
         self.sweep_dir, self.named_dir = (Path(sweep_dir) if sweep_dir is not None else None), named_dir
 
     def continue_hint(self, run_dir: Path, resume_named: bool) -> str:
-        """How to continue this job after an interruption: a sweep is continued in its sweep
-        directory (``trainer.resume=<job dir>`` would send every job into that one run), a
-        single run in its run directory. ``resume_named``: the command already has
-        ``trainer.resume=<run dir>``."""
-        if self.multirun and self.sweep_dir is not None:
-            if self.named_dir:
-                return "continue the sweep with the same command"
-            return f"continue the sweep with the same command plus hydra.sweep.dir={self.sweep_dir}"
-        if resume_named or self.named_dir:
-            return "continue with the same command"
-        return f"continue with the same command plus trainer.resume={run_dir}"
+        """:func:`continue_hint` for this job."""
+        return continue_hint(run_dir, resume_named, self.sweep_dir if self.multirun else None, self.named_dir)
 
     @classmethod
     def from_hydra(cls) -> "HydraRecord":
@@ -213,6 +204,20 @@ class RunDirCallback(Callback):
         except PosbenchError as err:
             print(f"posbench {config.hydra.job.name}: error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
+
+
+def continue_hint(run_dir: Path, resume_named: bool, sweep_dir: Path | None = None, named_dir: bool = False) -> str:
+    """How to continue a job after an interruption: a sweep job (``sweep_dir``) in its sweep
+    directory (``trainer.resume=<job dir>`` would send every job into that one run), a single
+    run in its run directory. ``resume_named``: the command already has ``trainer.resume=<run
+    dir>``; ``named_dir``: it names its output directory (``hydra.run.dir`` / ``hydra.sweep.dir``)."""
+    if sweep_dir is not None:
+        if named_dir:
+            return "continue the sweep with the same command"
+        return f"continue the sweep with the same command plus hydra.sweep.dir={sweep_dir}"
+    if resume_named or named_dir:
+        return "continue with the same command"
+    return f"continue with the same command plus trainer.resume={run_dir}"
 
 
 def shared_resume(overrides: list[str]) -> str | None:

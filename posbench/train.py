@@ -52,7 +52,7 @@ from posbench.probes import probe_summary, run_probes
 from posbench.results import versions
 from posbench.resume import check_resumable, load_resume_state, resolve_run_dir, run_target
 from posbench.rundir import RunDir, RunLocked
-from posbench.runlog import HydraRecord
+from posbench.runlog import HydraRecord, continue_hint
 from posbench.spec import MethodSpec, build_spec, check_memory_fits
 from posbench.workload import Workload, make_workload
 
@@ -511,9 +511,7 @@ class Trainer:
         resume_named = not _same_dir(self.run_dir, self.output_dir)  # the command has trainer.resume=<dir>
         if self.hydra_record is not None:
             return self.hydra_record.continue_hint(self.run_dir, resume_named)
-        if resume_named:
-            return "continue with the same command"
-        return f"continue with the same command plus trainer.resume={self.run_dir}"
+        return continue_hint(self.run_dir, resume_named)
 
     # ------------------------------------------------------------------ final evaluation
 
