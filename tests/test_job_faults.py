@@ -150,7 +150,7 @@ def test_eval_at_other_lengths_of_a_run_with_damaged_results_recomputes_its_own_
 def test_a_refused_eval_renames_nothing_in_a_damaged_run(finished):
     """A damaged results.json and a damaged newest checkpoint are reported, never renamed, by
     an eval that is refused (here: a length below the training context) and by viz."""
-    from posbench.checkpoint import list_checkpoints, save_checkpoint, read_checkpoint
+    from posbench.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
 
     (finished / "results.json").write_text("[1, 2]")
     (newest,) = list_checkpoints(finished)
@@ -190,9 +190,8 @@ def test_eval_of_a_busy_run_names_what_eval_takes(tmp_path):
     with pytest.raises(PosbenchError):  # the final checkpoint, no results.json: eval would finish it
         run_train(tmp_path, "method=nope", "eval.lengths=[1000000]")
     lines: list[str] = []
-    with RunLock(tmp_path):
-        with pytest.raises(PosbenchError, match="in use by another posbench process") as refused:
-            run_eval(tmp_path, log=lines.append)
+    with RunLock(tmp_path), pytest.raises(PosbenchError, match="in use by another posbench process") as refused:
+        run_eval(tmp_path, log=lines.append)
     assert "hydra.run.dir" not in str(refused.value) and f"posbench eval run={tmp_path}" in str(refused.value)
     assert not [line for line in lines if "final evaluation" in line], lines
 
