@@ -117,6 +117,27 @@ def test_a_refused_resume_of_another_run_writes_nothing_there_and_fails_its_own_
     assert "## Failed or missing (1)" in summary and "`1_nope-s0`: failed: " in summary
 
 
+def test_a_sweep_job_that_continued_its_own_run_elsewhere_counts_as_finished(tmp_path):
+    """Sweeping ``trainer.resume`` (one run per job): the job's own directory holds only Hydra's
+    record, and the summary follows it to the run it finished instead of calling it missing."""
+    from posbench.runlog import HydraRecord
+    from posbench.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
+
+    old = tmp_path / "old" / "0_alibi-s0"
+    interrupted(old, "method=alibi")
+    job = tmp_path / "new" / "0_alibi-s0"
+    job.mkdir(parents=True)
+    record = HydraRecord(job, {"overrides.yaml": f"- trainer.resume={old}\n"}, multirun=True, created=[],
+                         sweep_dir=job.parent)
+    train(compose_config("train", [*QUICK_TRAIN, "method=alibi", f"trainer.resume={old}"]), job,
+          log=lambda _: None, hydra_record=record)
+    assert (job / ".hydra" / "config.yaml").is_file() and not (job / "status.json").exists()
+    ComparePlotsCallback(viz=False).on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(job.parent)}}}))
+    assert failed_jobs_of_last_sweep() == 0
+    summary = (job.parent / "summary.md").read_text()
+    assert "## Finished (1)" in summary and f"`{old}`" in summary and "## Failed or missing (0)" in summary
+
+
 # ----------------------------------------------------------------------------- a damaged results.json, eval, viz
 
 
