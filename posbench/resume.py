@@ -45,12 +45,14 @@ def resolve_run_dir(t: TrainerConfig, run_dir: Path) -> bool:
     return True
 
 
-def load_resume_state(run_dir: Path, info: DistInfo, log: Callable[[str], None]) -> dict[str, Any] | None:
-    """Rank 0 picks the checkpoint (skipping damaged ones); every rank loads that same file.
+def load_resume_state(run_dir: Path, info: DistInfo, log: Callable[[str], None],
+                      quarantine: bool = True) -> dict[str, Any] | None:
+    """Rank 0 picks the checkpoint (skipping damaged ones, renamed ``*.corrupt`` when
+    ``quarantine``); every rank loads that same file.
 
     Loaded to the CPU: RNG states must be CPU tensors, and load_state_dict moves the rest.
     """
-    state = load_latest_checkpoint(run_dir, log=log, map_location="cpu") if info.is_main else None
+    state = load_latest_checkpoint(run_dir, log=log, map_location="cpu", quarantine=quarantine) if info.is_main else None
     if not info.enabled:
         return state
     box = [state["path"] if state else None]

@@ -29,8 +29,8 @@ from posbench.checkpoint import checkpoint_dir, list_checkpoints
 from posbench.errors import PosbenchError, one_line
 from posbench.io import write_json_atomic, write_text_atomic
 from posbench.results import (
-    CONFIG_FILE, METRICS_FILE, REFUSED_FILE, RESULTS_FILE, STATUS_FILE, quarantine, read_metrics, read_status,
-    write_results, write_status,
+    CONFIG_FILE, METRICS_FILE, REFUSED_FILE, RESULTS_FILE, STATUS_FILE, quarantine, read_metrics, read_results,
+    read_status, write_results, write_status,
 )
 
 RESULTS_LOCK = ".results.json.lock"  # held while results.json is read, merged and rewritten
@@ -51,8 +51,9 @@ class RunLock:
 
     LOCK_FILE, OWNER_FILE = ".posbench.lock", ".posbench.pid"
 
-    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+    def __init__(self, run_dir: Path, enabled: bool = True, otherwise: str = "or choose another hydra.run.dir") -> None:
         self.run_dir, self.enabled, self.lock = Path(run_dir), enabled, None
+        self.otherwise = otherwise  # the refusal's way out for the command that asked (train, eval)
 
     def __enter__(self) -> "RunLock":
         if not self.enabled or self.lock is not None:  # already held: ``with`` on a taken lock
@@ -68,7 +69,7 @@ class RunLock:
                 holder = "unknown"
             raise RunLocked(
                 f"{self.run_dir} is in use by another posbench process (PID {holder}); wait for it to end "
-                "or stop it, or choose another hydra.run.dir"
+                f"or stop it, {self.otherwise}"
             ) from None
         self.lock = lock
         write_text_atomic(self.run_dir / self.OWNER_FILE, f"{os.getpid()}\n")
@@ -125,9 +126,10 @@ class RunDir:
 
     # ------------------------------------------------------------------ locks
 
-    def lock(self, enabled: bool = True) -> RunLock:
-        """The exclusive lock of a training (or finishing) process on this directory."""
-        return RunLock(self.path, enabled)
+    def lock(self, enabled: bool = True, otherwise: str = "or choose another hydra.run.dir") -> RunLock:
+        """The exclusive lock of a training (or finishing) process on this directory;
+        ``otherwise``: what the refusal suggests besides waiting."""
+        return RunLock(self.path, enabled, otherwise)
 
     def results_lock(self) -> FileLock:
         """Held while results.json is written, or read, merged and rewritten (``posbench eval``)."""
@@ -243,16 +245,39 @@ class RunDir:
 
     # ------------------------------------------------------------------ results.json
 
-    def write_results(self, results: dict[str, Any]) -> Path:
+    def read_results(self, log: Callable[[str], None]) -> dict[str, Any] | None:
+        """results.json, or None when it is missing or damaged; a damaged one is reported in
+        one line and left where it is (:meth:`write_results` sets it aside when it replaces it)."""
+        try:
+            return read_results(self.results_path)
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError) as err:  # json.JSONDecodeError is a ValueError
+            log(f"{self.results_path} is damaged ({damage(err)}); the run's final checkpoint can recompute it")
+            return None
+
+    def write_results(self, results: dict[str, Any], log: Callable[[str], None] | None = None) -> Path:
         """Validate and write results.json under the results lock (never between a
-        ``posbench eval``'s read and write)."""
+        ``posbench eval``'s read and write). A damaged results.json it replaces is first set
+        aside as ``results.json.corrupt`` (kept for inspection)."""
         with self.results_lock():
+            try:
+                read_results(self.results_path)
+            except FileNotFoundError:
+                pass
+            except (ValueError, UnicodeDecodeError) as err:
+                quarantine(self.results_path, f"is damaged ({damage(err)})", log or (lambda _: None))
             return write_results(self.path, results)
 
     def write_other_eval(self, data_name: str, record: dict[str, Any]) -> Path:
         path = self.other_eval_path(data_name)
         write_json_atomic(path, record)
         return path
+
+
+def damage(err: BaseException) -> str:
+    """The first line of a parse error, short enough for a one-line message."""
+    return str(err).splitlines()[0][:120] if str(err) else type(err).__name__
 
 
 __all__ = ["FIGURES_DIR", "RESULTS_LOCK", "RunDir", "RunLock", "RunLocked"]

@@ -87,11 +87,19 @@ class HydraRecord:
 
     ``created``: the folders of the output directory Hydra made for this job (found missing
     before the job started, see :class:`RunDirCallback`), removed again by
-    :meth:`remove_unstarted`.
+    :meth:`remove_unstarted`. ``sweep_dir``: the sweep's directory (a multirun job);
+    ``named_dir``: the command line named the output directory (``hydra.run.dir`` /
+    ``hydra.sweep.dir``), so the same command finds the run again.
     """
 
-    def __init__(self, output_dir: Path, files: dict[str, Any], multirun: bool, created: list[Path]) -> None:
+    def __init__(self, output_dir: Path, files: dict[str, Any], multirun: bool, created: list[Path],
+                 sweep_dir: Path | None = None, named_dir: bool = False) -> None:
         self.output_dir, self.files, self.multirun, self.created = Path(output_dir), files, multirun, created
+        self.sweep_dir, self.named_dir = (Path(sweep_dir) if sweep_dir is not None else None), named_dir
+
+    def continue_hint(self, run_dir: Path, resume_named: bool) -> str:
+        """:func:`continue_hint` for this job."""
+        return continue_hint(run_dir, resume_named, self.sweep_dir if self.multirun else None, self.named_dir)
 
     @classmethod
     def from_hydra(cls) -> "HydraRecord":
@@ -107,18 +115,29 @@ class HydraRecord:
         output_dir = Path(hydra_cfg.runtime.output_dir)
         multirun = hydra_cfg.mode == RunMode.MULTIRUN
         created = [] if multirun else [p for p in _created_folders if _same(p, output_dir) or _is_parent(p, output_dir)]
+        dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        named = any(str(o).split("=", 1)[0].lstrip("+~") == dir_key for o in hydra_cfg.overrides.hydra)
         return cls(output_dir, {"hydra.yaml": OmegaConf.to_yaml(root),
-                                "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task)}, multirun, created)
+                                "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task)}, multirun, created,
+                   sweep_dir=Path(os.path.abspath(str(hydra_cfg.sweep.dir))) if multirun else None,
+                   named_dir=named)
 
     def write(self, cfg: Any, is_main: bool = True) -> None:
-        """This process holds the run: write ``.hydra/`` (main process) and open the log file."""
+        """This process holds the run: write ``.hydra/`` (main process) and open the log file.
+
+        Best effort: the record is written on the way out of a failed run too, where a full
+        disk must not replace the run's one-line error with a traceback; a failed write is
+        one warning line on stderr."""
         from omegaconf import OmegaConf
 
         if is_main:
             folder = self.output_dir / HYDRA_SUBDIR
-            write_text_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg))
-            for name, text in self.files.items():
-                write_text_atomic(folder / name, text)
+            try:
+                write_text_atomic(folder / "config.yaml", OmegaConf.to_yaml(cfg))
+                for name, text in self.files.items():
+                    write_text_atomic(folder / name, text)
+            except OSError as err:
+                print(f"posbench: warning: cannot write Hydra's record {folder} ({err})", file=sys.stderr)
         for handler in deferred_handlers():
             handler.write_kept()
 
@@ -162,6 +181,13 @@ class RunDirCallback(Callback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         self._checked(config, "hydra.sweep.dir")
+        try:
+            problem = shared_resume(list(config.hydra.overrides.task))
+        except Exception:  # noqa: BLE001 - an override Hydra cannot parse is Hydra's to report
+            problem = None
+        if problem is not None:
+            print(f"posbench {config.hydra.job.name}: error: {problem}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     @staticmethod
     def _checked(config: Any, key: str) -> Path | None:
@@ -178,6 +204,43 @@ class RunDirCallback(Callback):
         except PosbenchError as err:
             print(f"posbench {config.hydra.job.name}: error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
+
+
+def continue_hint(run_dir: Path, resume_named: bool, sweep_dir: Path | None = None, named_dir: bool = False) -> str:
+    """How to continue a job after an interruption: a sweep job (``sweep_dir``) in its sweep
+    directory (``trainer.resume=<job dir>`` would send every job into that one run), a single
+    run in its run directory. ``resume_named``: the command already has ``trainer.resume=<run
+    dir>``; ``named_dir``: it names its output directory (``hydra.run.dir`` / ``hydra.sweep.dir``)."""
+    if sweep_dir is not None:
+        if named_dir:
+            return "continue the sweep with the same command"
+        return f"continue the sweep with the same command plus hydra.sweep.dir={sweep_dir}"
+    if resume_named or named_dir:
+        return "continue with the same command"
+    return f"continue with the same command plus trainer.resume={run_dir}"
+
+
+def shared_resume(overrides: list[str]) -> str | None:
+    """Why a sweep's overrides send all its jobs into one run directory, or None.
+
+    ``trainer.resume=<run dir>`` continues one run, in that directory: in a sweep of several
+    jobs every job would write into that one run (the first that matches continues it, the
+    others are refused), and the new sweep's own directory records none of them. A sweep is
+    continued in its own directory (``hydra.sweep.dir``); sweeping ``trainer.resume`` itself
+    (one run per job) is fine."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    resume = [o for o in parsed if o.key_or_group == "trainer.resume" and not o.is_sweep_override()]
+    swept = [o for o in parsed if o.is_sweep_override() and o.key_or_group != "trainer.resume"]
+    if not resume or not swept:
+        return None
+    value = str(resume[-1].value())
+    if value.lower() in ("auto", "true", "false", "none", "null"):
+        return None
+    return (f"trainer.resume={value} continues one run, but this sweep has several jobs ({swept[0].input_line}), "
+            "which would all write into it; continue a sweep with its own command plus "
+            "hydra.sweep.dir=<its sweep dir>, without trainer.resume")
 
 
 # Folders of the next single run's output directory that did not exist before Hydra made them.

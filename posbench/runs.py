@@ -19,7 +19,7 @@ from posbench.extension import check_names, resolve_extensions
 from posbench.model import ModelConfig, Transformer, build_model
 from posbench.plot import write_run_figures
 from posbench.probes import merge_probe_entries, run_probes
-from posbench.results import merge_eval_entries, read_results_or_quarantine, recorded_precision, write_results
+from posbench.results import merge_eval_entries, recorded_precision, write_results
 from posbench.rundir import RunDir
 from posbench.settings import EvalConfig, from_section
 from posbench.spec import MethodSpec, data_config
@@ -42,7 +42,10 @@ class Run:
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu", log: Callable[[str], None] = logger.info) -> Run:
-    """Load the latest checkpoint of ``run_dir`` into a model in eval mode."""
+    """Load the latest checkpoint of ``run_dir`` into a model in eval mode.
+
+    Reading renames nothing: a damaged checkpoint is reported and the one before it used, a
+    damaged results.json is reported and read as missing (``results`` None)."""
     path = Path(run_dir).expanduser()
     if not path.is_dir():
         raise PosbenchError(f"run directory {path} does not exist; pass run=<a directory made by posbench train>")
@@ -50,14 +53,14 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", log: Calla
         raise PosbenchError(
             f"{path} has no checkpoints/step_*.pt; pass run=<a directory made by posbench train>"
         )
-    state = load_latest_checkpoint(path, log=log, map_location="cpu")
+    state = load_latest_checkpoint(path, log=log, map_location="cpu", quarantine=False)
     if state is None:
         raise PosbenchError(f"every checkpoint in {path / 'checkpoints'} is damaged; retrain this run")
     method = MethodSpec.from_saved({"name": state["method"], **(state.get("method_options") or {})})
     model = build_model(ModelConfig.from_dict(state["model_config"]), method.name, method.options)
     load_model_weights(model, state, path)
     model.to(device).eval()
-    results = read_results_or_quarantine(path, log)  # a damaged one is set aside and recomputed
+    results = RunDir(path).read_results(log)
     return Run(path, model, OmegaConf.create(state["config"]), results, state["step"], state.get("data_dir"))
 
 
@@ -165,11 +168,16 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     prepared = run_data(run, log) if task is None else None
     other_path = cfg.get("data", {}).get("path") if cfg.get("data") else None
     if run.results is None and not other_path:
-        # Stopped after its final checkpoint (during its final evaluation), or its results.json
-        # was damaged: its final evaluation, at these lengths, finishes it (refused while steps
-        # remain to train).
-        log(f"{run.path} has no results.json; running its final evaluation from its last checkpoint")
-        return finish_run(run.path, run.config, log, device=str(device), evaluation=OmegaConf.create(section))
+        # Its results.json was damaged: the run's own evaluation is recomputed under its own eval
+        # settings, and what else was asked is then added beside it (never a headline from other
+        # settings). Stopped after its final checkpoint (during its final evaluation, no
+        # results.json yet): its final evaluation at these settings finishes it, and its
+        # config.yaml records them. Both are refused while steps remain to train.
+        damaged = RunDir(run.path).results_path.is_file()
+        run.results = finish_run(run.path, run.config, log, device=str(device),
+                                 evaluation=None if damaged else OmegaConf.create(section))
+        if not damaged or (section == run_eval_section(OmegaConf.create({}), run)[0] and not probes_only):
+            return run.results
     source = "run"
     if other_path:
         # All of the other text is evaluation text (valid_fraction=1), cached beside the run's data.
@@ -205,7 +213,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     # merges its entries into what is there now, so neither loses the other's lengths.
     rundir = RunDir(run.path)
     with rundir.results_lock():
-        results = read_results_or_quarantine(run.path, log)
+        results = rundir.read_results(log)
         if results is None:
             raise PosbenchError(f"{run.path} has no usable results.json; rerun posbench eval run={run.path}")
         trained = results.get("train", {}).get("steps")

@@ -166,6 +166,9 @@ class TrainerConfig:
     """Testing aid: behave as if preempted (checkpoint, exit non-zero) after this global step."""
     progress: bool = True
     """Show a progress bar (on a terminal) with loss, tokens/s and ETA."""
+    progress_every_seconds: float = 30.0
+    """Off a terminal (a log file, a batch job): a progress line with loss, tokens/s, steps/s
+    and ETA every this many seconds (0 = a line every 5 % of the steps instead)."""
 
     def validate(self) -> None:
         s = "trainer"
@@ -177,7 +180,7 @@ class TrainerConfig:
         if not self.epochs > 0:
             raise PosbenchError(f"trainer.epochs must be positive, got {self.epochs}")
         for name in ("warmup_steps", "val_every", "val_extrapolation_sequences", "checkpoint_every_steps", "grad_clip",
-                     "weight_decay", "checkpoint_every_minutes"):
+                     "weight_decay", "checkpoint_every_minutes", "progress_every_seconds"):
             if getattr(self, name) < 0:
                 raise PosbenchError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:

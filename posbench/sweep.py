@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from posbench.compare import compare_runs, grouping_notes, paired_markdown, summary_markdown
 from posbench.config import config_names
 from posbench.io import write_text_atomic
-from posbench.results import RunRecord, discover_runs, finished_runs, headline_entries
+from posbench.results import RESULTS_FILE, STATUS_FILE, RunRecord, discover_runs, finished_runs, headline_entries
 from posbench.tasks.report import is_task_run, tables_markdown, task_tables
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,41 @@ def empty_globs(overrides: Sequence[str]) -> list[str]:
         if isinstance(override.value(), Glob) and options and not override.value().filter(options):
             empty.append(text)
     return empty
+
+
+def resumed_elsewhere(job_dir: Path) -> Path | None:
+    """The run a sweep job continued with ``trainer.resume=<run dir>`` outside its own
+    directory (sweeping ``trainer.resume``, one run per job), or None: such a job leaves only
+    Hydra's record (``.hydra/``, its log) in its own directory."""
+    from omegaconf import OmegaConf
+
+    if (job_dir / STATUS_FILE).exists() or (job_dir / RESULTS_FILE).exists():
+        return None
+    try:
+        target = OmegaConf.select(OmegaConf.load(job_dir / ".hydra" / "config.yaml"), "trainer.resume")
+    except Exception:  # noqa: BLE001 - no readable record: the job stays a missing one
+        return None
+    if target is None or str(target).lower() in ("auto", "true", "false", "none", "null"):
+        return None
+    path = Path(str(target)).expanduser()
+    return path if path.is_dir() and path.resolve() != job_dir.resolve() else None
+
+
+def sweep_runs(sweep_dir: Path) -> tuple[list[RunRecord], list[tuple[str, str]]]:
+    """The runs of a sweep's jobs (each job's directory, or the run it continued elsewhere with
+    ``trainer.resume``) and its failed or missing jobs."""
+    runs, problems = discover_runs([sweep_dir])
+    # A sweep dir with no job dirs at all is a problem of the pattern, not a failed job.
+    problems = [(p, r) for p, r in problems if Path(p) != sweep_dir]
+    kept = []
+    for path, reason in problems:
+        target = resumed_elsewhere(Path(path))
+        if target is None:
+            kept.append((path, reason))
+            continue
+        found, missing = discover_runs([target])
+        runs, kept = runs + found, kept + missing
+    return finished_runs(runs, kept)
 
 
 def _relative(path: str | os.PathLike, root: Path) -> str:
@@ -138,10 +173,7 @@ class ComparePlotsCallback(Callback):
             log.warning("comparison plots skipped: no hydra.sweep.dir in the config (%s)", err)
             return
         try:
-            runs, problems = discover_runs([sweep_dir])
-            # A sweep dir with no job dirs at all is a problem of the pattern, not a failed job.
-            problems = [(p, r) for p, r in problems if Path(p) != sweep_dir]
-            runs, problems = finished_runs(runs, problems)
+            runs, problems = sweep_runs(sweep_dir)
             _last_sweep_failures = len(problems)
             write_text_atomic(sweep_dir / "summary.md", sweep_summary(sweep_dir, runs, problems))
             log.info("sweep summary: %d finished, %d failed or missing -> %s",

@@ -25,6 +25,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -48,10 +49,10 @@ from posbench.plot import write_run_figures
 from posbench.positions import TrainingPositions
 from posbench.preemption import StopRequest
 from posbench.probes import probe_summary, run_probes
-from posbench.results import read_results_or_quarantine, versions
+from posbench.results import versions
 from posbench.resume import check_resumable, load_resume_state, resolve_run_dir, run_target
 from posbench.rundir import RunDir, RunLocked
-from posbench.runlog import HydraRecord
+from posbench.runlog import HydraRecord, continue_hint
 from posbench.spec import MethodSpec, build_spec, check_memory_fits
 from posbench.workload import Workload, make_workload
 
@@ -109,7 +110,8 @@ class Trainer:
         self.t = self.spec.trainer
         self.device, self.dist_info = self._setup_device()
         self.is_main = self.dist_info.is_main
-        self.run_dir = run_target(self.t, same_on_all_ranks(Path(run_dir), self.dist_info))
+        self.output_dir = same_on_all_ranks(Path(run_dir), self.dist_info)  # the job's own (Hydra's) directory
+        self.run_dir = run_target(self.t, self.output_dir)
         self.rundir = RunDir(self.run_dir)  # its lock, records, metrics and results
         self.claimed = False  # this process wrote config.yaml / status "running" (the record is ours)
 
@@ -117,7 +119,9 @@ class Trainer:
         """:meth:`stages` under the run directory's lock; a failure is recorded in status.json
         (or refused.json while the record is still the earlier run's) as one line."""
         try:
-            lock = self.rundir.lock(enabled=self.is_main).__enter__()
+            otherwise = (f"then rerun posbench eval run={self.run_dir}" if self.evaluate_only
+                         else "or choose another hydra.run.dir")
+            lock = self.rundir.lock(enabled=self.is_main, otherwise=otherwise).__enter__()
         except RunLocked:
             if self.hydra_record is not None:
                 self.hydra_record.discard()  # nothing of a refused start lands in the run
@@ -131,9 +135,22 @@ class Trainer:
                 failure = as_posbench_error(err)
                 ours = False  # whether the directory's record is now this start's
                 if self.is_main and (self.claimed or not self.evaluate_only):  # eval refusals record nothing
-                    ours = self.rundir.record_failure(self.cfg, failure, claimed=self.claimed)
+                    ours = self.record_failure(failure)
                 self.settle_hydra_record(accepted=self.claimed or ours)
                 raise failure from (None if failure is err else err)
+
+    def record_failure(self, failure: BaseException) -> bool:
+        """Record a failure where it belongs; True when the job's directory now records it.
+
+        A start refused before it claimed a run that ``trainer.resume=<run dir>`` named (not the
+        job's own directory) writes nothing into that run, which is another job's record: the
+        job's own directory records the failure (a sweep's summary counts it), or, for a single
+        run, the empty folders Hydra made for it are removed again."""
+        if self.claimed or _same_dir(self.run_dir, self.output_dir):
+            return self.rundir.record_failure(self.cfg, failure, claimed=self.claimed)
+        if self.hydra_record is not None and self.hydra_record.remove_unstarted():
+            return False
+        return RunDir(self.output_dir).record_failure(self.cfg, failure, claimed=False)
 
     def settle_hydra_record(self, accepted: bool) -> None:
         """Hydra's ``.hydra/`` and log file: written once the run is accepted (or its failure is
@@ -164,10 +181,13 @@ class Trainer:
         if self.is_main:
             self.rundir.remove_stray_temp_files(self.log)
         seed_everything(spec.seed)
+        self.micro, self.accum = micro_batching(t, self.dist_info.world_size)
+        # Before the tokenizer and data are prepared (minutes for a new cache): a model or batch
+        # that cannot fit is refused at once, counting a one-token vocabulary (the real one is not known yet).
+        check_memory_fits(replace(spec, model=replace(spec.model, vocab_size=1)), self.micro, self.device)
         self.workload: Workload = make_workload(spec, self.log)  # text (a token cache) or a task's generator
         spec.model.vocab_size = self.workload.vocab_size
-        self.micro, self.accum = micro_batching(t, self.dist_info.world_size)
-        check_memory_fits(spec, self.micro, self.device)
+        check_memory_fits(spec, self.micro, self.device)  # again, with the vocabulary's embedding and logits
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
         self.raw_model.loss_chunk = t.loss_chunk  # how the loss is computed, not what (trainer.loss_chunk)
         self.position_drift = ParameterDrift(self.raw_model.position)  # p_0: the seed's init, also on resume
@@ -209,7 +229,8 @@ class Trainer:
         """Load the newest good checkpoint (when resuming), after checking it belongs to this
         config. Returns the stored results when the run is already complete, else None."""
         if self.resuming:
-            state = load_resume_state(self.run_dir, self.dist_info, self.log)
+            # posbench eval renames no damaged checkpoint: it reports it and uses the one before
+            state = load_resume_state(self.run_dir, self.dist_info, self.log, quarantine=not self.evaluate_only)
             if state is None:
                 self.log(f"no usable checkpoint in {self.run_dir}; starting from scratch")
             else:
@@ -223,21 +244,30 @@ class Trainer:
                 self.overhead_before = state.get("overhead_seconds", 0.0)
                 self.loss_value = state.get("last_loss", float("nan"))
                 self.resumed_from = Path(state["path"])
+                self.check_finished_training()  # posbench eval: refused before any other line
                 if self.start_step >= self.total_steps and self.rundir.already_complete():
-                    results = read_results_or_quarantine(self.run_dir, self.log) if self.is_main else {}
+                    results = self.rundir.read_results(self.log) if self.is_main else {}
                     if results is not None:
                         self.log(f"{self.run_dir} is already complete; nothing to do (its results.json is unchanged)")
                         if self.is_main:  # this start succeeded: an earlier refusal is over
                             self.rundir.clear_refusal()
                         shutdown(self.dist_info)
                         return results
-                self.log(f"resuming {self.run_dir} from step {self.start_step} ({state['path']})")
+                if self.evaluate_only:
+                    self.log(f"{self.run_dir} has no usable results.json; running its final evaluation "
+                             f"from its checkpoint at step {self.start_step}")
+                else:
+                    self.log(f"resuming {self.run_dir} from step {self.start_step} ({state['path']})")
+        self.check_finished_training()
+        return None
+
+    def check_finished_training(self) -> None:
+        """``posbench eval`` (``evaluate_only``) finishes a run only once it has no steps left."""
         if self.evaluate_only and self.start_step < self.total_steps:
             raise PosbenchError(
                 f"{self.run_dir} stopped at step {self.start_step} of {self.total_steps}; finish training it first: "
                 f"posbench train <its overrides> trainer.resume={self.run_dir}"
             )
-        return None
 
     def claim(self) -> None:
         """Write this run's config.yaml and status "running" (the checks have all passed)."""
@@ -291,7 +321,8 @@ class Trainer:
             f"{self.total_steps} steps x {self.tokens_per_step} tokens ({self.batches.steps_per_epoch} steps/epoch), "
             f"world size {self.dist_info.world_size}"
         )
-        self.progress = make_progress(self.total_steps, self.start_step, enabled=self.is_main and t.progress)
+        self.progress = make_progress(self.total_steps, self.start_step, enabled=self.is_main and t.progress,
+                                      every_seconds=t.progress_every_seconds, log=self.log)
         try:
             with StopRequest() as stop:
                 self.model.train()
@@ -306,6 +337,7 @@ class Trainer:
                         with self.overhead_timer():
                             self.validate(step)
                         self.model.train()
+                    self.progress.tick(step)  # off a terminal: a line every trainer.progress_every_seconds
                     stop_now = self.stop_requested(step, stop)
                     if self.is_main and (self.checkpoint_due(step) or stop_now) and not last:
                         self.save_checkpoint(step)
@@ -361,7 +393,8 @@ class Trainer:
             self.run_logger.log_metrics({f"train/{k}": v for k, v in row.items()}, step=step)
             self.progress.update_to(step, self.loss_value, tps)
             text_every = max(self.t.log_every, self.total_steps // 20)
-            if not self.progress.enabled and (step % text_every == 0 or step == self.total_steps):
+            timed = self.progress.enabled or self.progress.timed  # else a line every 5 % of the steps
+            if not timed and (step % text_every == 0 or step == self.total_steps):
                 self.log(f"step {step}/{self.total_steps} loss {self.loss_value:.4f} {tps:,.0f} tok/s")
 
     def ensure_finite(self, loss: float, step: int) -> None:
@@ -469,9 +502,16 @@ class Trainer:
             stop.hand_over()
         raise TrainingInterrupted(
             f"stopped at step {step}/{self.total_steps}; checkpoint saved in {self.rundir.checkpoint_dir}; "
-            f"continue with the same command plus trainer.resume={self.run_dir}",
+            f"{self.continue_hint()}",
             exit_code=128 + int(signum),
         )
+
+    def continue_hint(self) -> str:
+        """How to continue: a sweep job in its sweep (hydra.sweep.dir), a run in its directory."""
+        resume_named = not _same_dir(self.run_dir, self.output_dir)  # the command has trainer.resume=<dir>
+        if self.hydra_record is not None:
+            return self.hydra_record.continue_hint(self.run_dir, resume_named)
+        return continue_hint(self.run_dir, resume_named)
 
     # ------------------------------------------------------------------ final evaluation
 
@@ -508,7 +548,7 @@ class Trainer:
             results["data"] = self.workload.record()
             results["versions"] = versions()
             results["environment"] = self.environment
-            self.rundir.write_results(results)  # under the results lock
+            self.rundir.write_results(results, self.log)  # under the results lock; a damaged one set aside
             figures = write_run_figures(run_dir, self.log)
             self.run_logger.log_eval(results["eval"], t.context)
             self.run_logger.summary({"train/final_loss": self.loss_value,
@@ -540,5 +580,9 @@ def finish_run(run_dir: Path, config: DictConfig, log: Callable[[str], None], de
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
 

@@ -149,6 +149,7 @@ def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_che
     import posbench.io
     from posbench.checkpoint import list_checkpoints, read_checkpoint
     from posbench.errors import PosbenchError
+    from posbench.runlog import HydraRecord
     from posbench.train import train
     from conftest import compose_config
 
@@ -168,8 +169,10 @@ def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_che
 
     monkeypatch.setattr(posbench.checkpoint.torch, "save", save)
     cfg = compose_config("train", [*QUICK_TRAIN, "method=rope", "trainer.checkpoint_every_steps=2"])
+    # The CLI's Hydra record (.hydra/) is written on the way out too: on the full disk as well.
+    record = HydraRecord(tmp_path, {"overrides.yaml": "- method=rope\n"}, multirun=False, created=[])
     with pytest.raises(PosbenchError) as failed:
-        train(cfg, tmp_path, log=lambda _: None)
+        train(cfg, tmp_path, log=lambda _: None, hydra_record=record)
     monkeypatch.setattr(posbench.io.tempfile, "mkstemp", real_mkstemp)
     message = str(failed.value)
     assert "\n" not in message and message.startswith("no space left on the device")
