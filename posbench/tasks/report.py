@@ -207,8 +207,8 @@ def _baseline_rows(table: TaskTable, test: str) -> list[str]:
     axes = [table.axis(test, L) for L in table.lengths]
     if any(axes):
         name = next(a[0] for a in axes if a)
-        cells = " | ".join("-" if a is None else f"{a[1]['median']:g} / {a[1]['p90']:g} / {a[1]['beyond_context']:.3f}"
-                           for a in axes)
+        cells = " | ".join("-" if a is None or a[1]["median"] is None else
+                           f"{a[1]['median']:g} / {a[1]['p90']:g} / {a[1]['beyond_context']:.3f}" for a in axes)
         rows.append(f"| *{name}: median / p90 / share >= C* | | {cells} | tokens | |")
     return rows
 
