@@ -21,10 +21,9 @@ from posbench.model import ModelConfig, build_model
 from posbench.plot import plot_runs
 from posbench.results import RunRecord
 from posbench.settings import EvalConfig
-from posbench.spec import build_spec
 from posbench.tasks import TEST, make_task
 from posbench.tasks.evaluate import evaluate_task, learnt_at_c
-from posbench.tasks.report import interval, tables_csv, tables_markdown, task_tables
+from posbench.tasks.report import tables_csv, tables_markdown, task_tables
 from posbench.tasks.workload import TaskWorkload
 from posbench.train import train
 
@@ -267,7 +266,6 @@ def test_a_method_with_no_learnt_seed_has_no_average(tmp_path):
 def test_plot_skips_a_task_run_with_nan_accuracies(tmp_path):
     good = tmp_path / "runs" / "good"
     cfg = compose_config("train", ["task=flipflop", "method=alibi", *QUICK])
-    build_spec(cfg)  # the preset composes
     train(cfg, good, log=lambda _: None)
     bad = tmp_path / "runs" / "bad"
     shutil.copytree(good, bad)

@@ -181,11 +181,14 @@ def _how(runs: Sequence[RunRecord]) -> str:
 
 
 TEST_NOTES = {
-    STANDARD: "the test sequences of the task's standard generator",
-    "sparse": "flip-flop at p_ignore 0.98 (Liu et al.'s sparse test): long runs of ignores before a read",
-    "far": "flip-flop with one scored read per sequence whose last write lies a drawn lookback back, "
-           "stratified over the bands 0-C, C-2C, ... of the length",
-    "shifted": "copy of a training-length string placed within the last C tokens: past C only the positions are new",
+    ("flipflop", STANDARD): "instructions drawn as in training (task.eval_p_ignore): the reads look back about "
+                            "as far at 8C as at C (see the lookback row)",
+    ("flipflop", "sparse"): "p_ignore 0.98 (Liu et al.'s sparse test): long runs of ignores before a read",
+    ("flipflop", "far"): "one scored read per sequence whose last write lies a drawn lookback back, stratified "
+                         "over the bands 0-C, C-2C, ... of the length: at 8C a quarter of the reads look back > 4C",
+    ("copy", STANDARD): "the longest string that fits, n = L/2: past C the string is longer than any in training "
+                        "and copied from further back, at new positions",
+    ("copy", "shifted"): "a training-length string placed within the last C tokens: past C only the positions are new",
 }
 """One line per test set in tasks.md (docs/tasks.md describes them)."""
 
@@ -232,11 +235,14 @@ def _band_table(table: TaskTable, test: str, by: str, title: str) -> list[str]:
         return []
     lines = [f"**accuracy by {title} at L={longest}** (learnt seeds)", "",
              "| method | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
+    answers = {}
     for label in table.groups:
         if runs := table.learnt(label):
             lines.append(f"| {label} | " + " | ".join(_cell(interval(runs, "accuracy", longest, b, test, by))
                                                        for b in buckets) + " |")
-    return lines + [""]
+            bands = plain_entries(runs[0], "accuracy", test).get(longest, {}).get(by, {})
+            answers = answers or {b: bands[b].get("answers", "-") for b in bands}
+    return lines + ["| *answers per run* | " + " | ".join(str(answers.get(b, "-")) for b in buckets) + " |", ""]
 
 
 def tables_markdown(tables: Sequence[TaskTable]) -> str:
@@ -253,7 +259,7 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
         c = table.context
         lines += [f"## {table.label}", "", f"Training context C = {c}; chance {table.chance:.3f}.", ""]
         for test in table.tests:
-            lines += [f"### test set `{test}`", "", TEST_NOTES.get(test, "") + ".", ""]
+            lines += [f"### test set `{test}`", "", TEST_NOTES.get((table.name, test), test) + ".", ""]
             for metric in table.metrics:
                 lines += [f"**{metric}**", "", f"| method | seeds | {_head(table)} | interval | not learnt at C |",
                           "|---|---:|" + "---:|" * len(table.lengths) + "---|---|"]
@@ -269,8 +275,8 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
                     lines += [f"not learnt at C ({metric}, each seed alone; no claim past C):", "",
                               f"| run | accuracy at C < threshold | {_head(table)} |",
                               "|---|---|" + "---:|" * len(table.lengths), *not_learnt, ""]
-            for by in BANDS:
-                lines += _band_table(table, test, by, BANDS[by])
+            for by, title in BANDS.items():
+                lines += _band_table(table, test, by, title)
     return "\n".join(lines)
 
 
@@ -356,8 +362,8 @@ def task_figure(table: TaskTable):
         ax.set_xlabel("test length L (dotted: training context)")
         ax.set_ylabel(metric.replace("_", " "))
         ax.grid(alpha=0.3)
-        ax.set_title(f"{table.label}\ntest set {test}: {metric} on answer tokens, learnt seeds, 95 % intervals",
-                     fontsize=8)
+        ax.set_title(f"test set {test}: {metric} on answer tokens", fontsize=8)
+    fig.suptitle(f"{table.label}\nseeds that learnt the task at C, 95 % intervals", fontsize=8)
     fig.axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     return fig
 
