@@ -152,6 +152,25 @@ def test_copy_shifted_holds_training_length_strings_past_c():
     assert (standard.answers.sum(axis=1) == 4 * C).all() and (t.answer_axes(standard)["string_length"].max() == 4 * C)
 
 
+def test_copy_shifted_training_places_training_strings_anywhere_and_is_off_by_default():
+    plain, shifted = copy(), copy(shifted_training=True)
+    old = plain.generate(np.random.default_rng([0, 0, 0, 3]), 64, C, "train")  # the stream of runs before the option
+    np.testing.assert_array_equal(plain.train_batch(0, 3, 64).tokens, old.tokens)
+    assert (plain.train_batch(0, 3, 64).answers.argmax(axis=1) == plain.train_batch(0, 3, 64).answers.sum(axis=1)).all()
+    batch = shifted.train_batch(0, 3, 64)
+    sizes, first = batch.answers.sum(axis=1), batch.answers.argmax(axis=1)
+    starts = first - sizes
+    assert starts.min() == 0 < starts.max() and len(set(starts.tolist())) > 8
+    for row in range(64):
+        assert (batch.tokens[row, :starts[row]] == shifted.pad).all() and batch.tokens[row, first[row]] == shifted.sep
+        np.testing.assert_array_equal(batch.tokens[row, first[row] + 1:first[row] + sizes[row] + 1],
+                                      batch.tokens[row, starts[row]:first[row]])
+    np.testing.assert_array_equal(plain.sequences(TEST, 2 * C, 8, "shifted").tokens,
+                                  shifted.sequences(TEST, 2 * C, 8, "shifted").tokens)  # the same test sequences
+    with pytest.raises(PosbenchError, match="task.shifted_training='yes' must be true or false"):
+        copy(shifted_training="yes")
+
+
 def test_copy_baselines():
     t = copy()
     batch = t.sequences(TEST, 2 * C, 30, "shifted")

@@ -197,15 +197,20 @@ class Copy(Task):
     ``n = L/2``, so past C it mixes a longer string (and a longer copy distance: the lookback is
     ``n``) with new positions; ``shifted`` draws ``n`` as in training and places string and copy
     at a uniform start within the last C tokens (``.`` before it), so past C only the positions
-    are new (at L = C it differs from training by the leading padding alone)."""
+    are new (at L = C it differs from training by the leading padding alone, and not at all with
+    ``shifted_training``: training strings at a uniform start too, ``.`` before them)."""
 
     name = "copy"
     metrics = ("accuracy", "exact_match")
     TESTS = (STANDARD, "shifted")
 
     def __init__(self, context: int, *, seed: int = 0, num_symbols: int = 16, min_length: int = 1,
-                 tests: list[str] | None = None, learnt_at_c: float | None = None) -> None:
+                 shifted_training: bool = False, tests: list[str] | None = None,
+                 learnt_at_c: float | None = None) -> None:
         super().__init__(context, seed=seed, tests=tests, learnt_at_c=learnt_at_c)
+        if not isinstance(shifted_training, bool):
+            raise PosbenchError(f"task.shifted_training={shifted_training!r} must be true or false")
+        self.shifted_training = shifted_training
         self.num_symbols = positive_int(self.name, "num_symbols", num_symbols, minimum=2)
         self.min_length = positive_int(self.name, "min_length", min_length)
         if min_length > context // 2:
@@ -232,7 +237,10 @@ class Copy(Task):
         longest = length // 2  # 2n + 1 <= length + 1 tokens
         sizes = (rng.integers(self.min_length, longest + 1, n) if split == "train"
                  else np.full(n, longest))
-        return self.place(rng, sizes, np.zeros(n, dtype=np.int64), length)
+        starts = np.zeros(n, dtype=np.int64)
+        if split == "train" and self.shifted_training:  # a uniform start, "." before: as the shifted test
+            starts = rng.integers(0, length - 2 * sizes + 1)
+        return self.place(rng, sizes, starts, length)
 
     def test_batch(self, rng: np.random.Generator, n: int, length: int, test: str) -> Batch:
         sizes = rng.integers(self.min_length, min(self.context, length) // 2 + 1, n)  # the training strings
