@@ -22,7 +22,7 @@ from posbench.plot import plot_runs
 from posbench.results import RunRecord
 from posbench.settings import EvalConfig
 from posbench.tasks import TEST, make_task
-from posbench.tasks.evaluate import evaluate_task, learnt_at_c
+from posbench.tasks.evaluate import answer_details, evaluate_task, learnt_at_c
 from posbench.tasks.report import tables_csv, tables_markdown, task_tables
 from posbench.tasks.workload import TaskWorkload
 from posbench.train import train
@@ -148,6 +148,12 @@ def test_copy_shifted_holds_training_length_strings_past_c():
         if L >= 2 * C:
             assert np.flatnonzero(batch.answers.any(axis=0)).min() >= C  # every copy happens past C
         assert (t.answer_axes(batch)["string_length"][batch.answers] <= C // 2).all()
+    # string length is its own axis: quarters of the training range, then beyond it
+    shifted = answer_details(t, t.sequences(TEST, 8 * C, 100, "shifted"), np.zeros((100, 8 * C), bool), 8 * C, C)
+    assert list(shifted["by_string_length"])[:4] == ["1-9", "9-17", "17-25", "25-33"]
+    assert all(b["answers"] > 0 for b in list(shifted["by_string_length"].values())[:4])
+    assert sum(b["answers"] for b in shifted["by_string_length"].values()) == sum(
+        b["answers"] for b in list(shifted["by_string_length"].values())[:4])
     standard = t.sequences(TEST, 8 * C, 4)  # today's test, kept: the longest string that fits
     assert (standard.answers.sum(axis=1) == 4 * C).all() and (t.answer_axes(standard)["string_length"].max() == 4 * C)
 
@@ -207,7 +213,7 @@ def test_entries_hold_the_test_set_lookback_and_baselines():
     assert [(e["test_set"], e["length"]) for e in entries] == [
         ("standard", C), ("standard", 4 * C), ("sparse", C), ("sparse", 4 * C), ("far", C), ("far", 4 * C)]
     far = entries[-1]
-    assert set(far["by_lookback"]) == {"0-64", "64-128", "128-256"}
+    assert set(far["by_lookback"]) == {"0-64", "64-128", "128-256"}  # 4C
     assert sum(b["answers"] for b in far["by_lookback"].values()) == far["answers"] == 8
     assert far["lookback"]["beyond_context"] > 0.5 and far["lookback"]["median"] >= C
     assert set(far["baselines"]) == {"chance", "previous_bit", "window_C"} and far["baselines"]["chance"] == 0.5

@@ -16,6 +16,7 @@ evaluated on the same test sequences (paired). ``configs/task/<name>.yaml`` sele
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,10 @@ class Task:
         (``(N, L)`` int arrays read where ``batch.answers`` is set), e.g. ``lookback``."""
         return {}
 
+    def axis_bands(self, axis: str, length: int) -> list[tuple[int, int]]:
+        """The bands ``[a, b)`` an answer axis is reported by at ``length`` (:func:`lookback_bands`)."""
+        return lookback_bands(length, self.context)
+
     def baselines(self, batch: Batch) -> dict[str, np.ndarray]:
         """Per answer, the expected correctness ``(N, L)`` of guesses a model could make without
         solving the task: ``chance`` and the task's shortcuts."""
@@ -154,6 +159,17 @@ class Task:
 
     def check_length(self, length: int) -> None:
         """Refuse an evaluation length the task cannot fill (one line)."""
+
+
+def lookback_bands(length: int, context: int) -> list[tuple[int, int]]:
+    """The bands ``[a, b)`` that lookbacks at ``length`` are drawn and reported in: 0-C, C-2C,
+    2C-4C, ... (the edges of :func:`posbench.evaluate.band_edges`) and the rest up to ``length``."""
+    edges = [0, min(context, length)]
+    while edges[-1] * 2 <= length:
+        edges.append(edges[-1] * 2)
+    if edges[-1] < length:
+        edges.append(length)
+    return list(itertools.pairwise(edges))
 
 
 def answer_share(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -212,4 +228,4 @@ class TaskBatches:
 
 
 __all__ = ["Batch", "EVALUATION_OPTIONS", "IGNORE", "STANDARD", "Task", "TaskBatches", "TEST", "TRAIN", "VALID", "answer_share", "list_tasks",
-           "make_task", "positive_int", "register_task", "task_class"]
+           "lookback_bands", "make_task", "positive_int", "register_task", "task_class"]

@@ -24,7 +24,6 @@ from posbench.extension import NONE, evaluation_order, extended, record_extensio
 from posbench.results import SCHEMA_VERSION
 from posbench.stats import bootstrap_interval
 from posbench.tasks.base import IGNORE, STANDARD, TEST, VALID, Batch, Task, task_class
-from posbench.tasks.generators import lookback_bands
 
 ENTRY_SPLIT = "test"
 
@@ -90,7 +89,7 @@ def answer_details(task: Task, batch: Batch, correct: np.ndarray, length: int, t
     for axis, values in task.answer_axes(batch).items():
         details[axis] = axis_summary(values[answers], train_context)
         details[f"by_{axis}"] = {}
-        for a, b in lookback_bands(length, train_context):
+        for a, b in task.axis_bands(axis, length):
             inside = answers & (values >= a) & (values < b)
             per_sequence, _ = sequence_accuracy(correct, inside)
             details[f"by_{axis}"][f"{a}-{b}"] = {**summary(per_sequence), "answers": int(inside.sum())}

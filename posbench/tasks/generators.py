@@ -6,12 +6,10 @@ answers are right by construction (tests/test_tasks.py re-derives them with a pl
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from posbench.errors import PosbenchError
-from posbench.tasks.base import STANDARD, Batch, Task, positive_int, register_task
+from posbench.tasks.base import STANDARD, Batch, Task, lookback_bands, positive_int, register_task
 
 
 @register_task
@@ -121,17 +119,6 @@ class FlipFlop(Task):
         nearest = self.lookback(batch, (self.WRITE, self.READ))
         window = np.where((nearest >= 0) & (nearest < self.context), 1.0, 0.5)
         return {**super().baselines(batch), "previous_bit": previous, "window_C": window}
-
-
-def lookback_bands(length: int, context: int) -> list[tuple[int, int]]:
-    """The bands ``[a, b)`` that lookbacks at ``length`` are drawn and reported in: 0-C, C-2C,
-    2C-4C, ... and the rest up to ``length`` (:func:`posbench.evaluate.band_edges`'s edges)."""
-    edges = [0, min(context, length)]
-    while edges[-1] * 2 <= length:
-        edges.append(edges[-1] * 2)
-    if edges[-1] < length:
-        edges.append(length)
-    return list(itertools.pairwise(edges))
 
 
 @register_task
@@ -251,6 +238,13 @@ class Copy(Task):
         if "shifted" in self.tests and length < 2 * self.min_length:
             raise PosbenchError(f"task=copy's shifted test at length {length} cannot hold a string of "
                                 f"task.min_length={self.min_length}; test at lengths >= {2 * self.min_length}")
+
+    def axis_bands(self, axis: str, length: int) -> list[tuple[int, int]]:
+        """String lengths: quarters of the training range 1..C/2, then C/2+1..C, C..2C, ..."""
+        q = max(1, self.context // 8)
+        edges = [1, q + 1, 2 * q + 1, 3 * q + 1, self.context // 2 + 1]
+        edges += [b for _, b in lookback_bands(length // 2 + 1, self.context) if b > edges[-1]]
+        return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if a < b]
 
     def answer_axes(self, batch: Batch) -> dict[str, np.ndarray]:
         """``string_length``: n, which is also each answer's lookback (the copy of symbol j is
