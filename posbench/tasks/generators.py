@@ -6,6 +6,8 @@ answers are right by construction (tests/test_tasks.py re-derives them with a pl
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from posbench.errors import PosbenchError
@@ -213,7 +215,7 @@ class Copy(Task):
         """Row ``r``: a string of ``sizes[r]`` symbols at ``starts[r]``, ``|`` and its copy (the answers)."""
         tokens = np.full((len(sizes), length + 1), self.pad, dtype=np.int64)
         answers = np.zeros((len(sizes), length), dtype=bool)
-        for row, (size, start) in enumerate(zip(sizes, starts)):
+        for row, (size, start) in enumerate(zip(sizes, starts, strict=True)):
             string = rng.integers(0, self.num_symbols, size)
             tokens[row, start:start + size], tokens[row, start + size] = string, self.sep
             tokens[row, start + size + 1 : start + 2 * size + 1] = string
@@ -244,7 +246,7 @@ class Copy(Task):
         q = max(1, self.context // 8)
         edges = [1, q + 1, 2 * q + 1, 3 * q + 1, self.context // 2 + 1]
         edges += [b for _, b in lookback_bands(length // 2 + 1, self.context) if b > edges[-1]]
-        return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if a < b]
+        return [(a, b) for a, b in itertools.pairwise(edges) if a < b]
 
     def answer_axes(self, batch: Batch) -> dict[str, np.ndarray]:
         """``string_length``: n, which is also each answer's lookback (the copy of symbol j is

@@ -324,7 +324,7 @@ def _baseline_lines(ax, table: TaskTable, test: str) -> None:
     values = [table.baselines(test, L) for L in table.lengths]
     best = [max((v[k] for k in SHORTCUTS if k in v), default=None) for v in values]
     if any(b is not None for b in best):
-        ax.plot([L for L, b in zip(table.lengths, best) if b is not None], [b for b in best if b is not None],
+        ax.plot([L for L, b in zip(table.lengths, best, strict=True) if b is not None], [b for b in best if b is not None],
                 color="grey", linestyle="--", linewidth=1, label="best shortcut")
     if all("window_C" in v for v in values):
         ax.plot(table.lengths, [v["window_C"] for v in values], color="silver", linestyle="-.", linewidth=1,
