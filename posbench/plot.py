@@ -79,7 +79,6 @@ from posbench.plot_extension import plot_extensions
 from posbench.plot_probes import plot_probes
 from posbench.rundir import RunDir
 from posbench.stats import moving_average, pointwise_t_band
-from posbench.tasks.report import is_task_run, plot_task_runs, task_figure, task_tables
 from posbench.results import (
     RESULTS_FILE,
     RunRecord,
@@ -89,6 +88,7 @@ from posbench.results import (
     read_results,
     read_status,
 )
+from posbench.tasks.report import is_task_run, plot_task_runs, split_unscored, task_figure, task_tables
 
 TRAIN_EMA = 0.8
 HEADLINE_SPLIT = "validation"
@@ -486,6 +486,8 @@ def plot_runs(
         patterns = [patterns]
     patterns = [str(p) for p in patterns]
     runs, problems = finished_runs(*discover_runs(patterns))  # failed / refused / no results: never in a table
+    runs, unscored = split_unscored(runs)  # task runs with NaN accuracies
+    problems = sorted(problems + unscored)
     for path, reason in problems:
         log(f"skipping {path}: {reason}")
     if not runs:

@@ -16,6 +16,7 @@ evaluated on the same test sequences (paired). ``configs/task/<name>.yaml`` sele
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,14 @@ IGNORE = -100
 
 TRAIN, VALID, TEST = 0, 1, 2  # the random streams (first-but-one seed word)
 
+STANDARD = "standard"
+"""The test set every task has (the one of runs from before named test sets): the entries
+without a ``test_set`` key are this one."""
+
+EVALUATION_OPTIONS = ("tests", "learnt_at_c")
+"""Task options that change the evaluation only, not the training data: left out of the resume
+check (a run may be resumed, or re-evaluated, with other test sets)."""
+
 _TASKS: dict[str, type["Task"]] = {}
 
 
@@ -40,6 +49,11 @@ def register_task(cls: type["Task"]) -> type["Task"]:
 
 def list_tasks() -> list[str]:
     return list(_TASKS)
+
+
+def task_class(name: str) -> type["Task"] | None:
+    """The registered task ``name`` (None when unknown), for reading saved runs."""
+    return _TASKS.get(name)
 
 
 @dataclass
@@ -75,11 +89,27 @@ class Task:
     name: str = ""
     vocab: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ("accuracy",)
+    TESTS: tuple[str, ...] = (STANDARD,)
+    """The test sets the task can generate (``task.tests`` picks among them; default: the
+    standard one); their order fixes their random streams (never reorder)."""
+    LEARNT_AT_C: float = 0.9
+    """Default of ``task.learnt_at_c``: the accuracy at C on the standard test that a run must
+    reach to count as having learnt the task (else it is never averaged into a claim past C)."""
 
-    def __init__(self, context: int, *, seed: int = 0) -> None:
+    def __init__(self, context: int, *, seed: int = 0, tests: Any = None, learnt_at_c: Any = None) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy seeds are >= 0
             raise PosbenchError(f"task.seed must be an integer >= 0, got {seed!r}")
         self.context, self.seed = context, seed
+        # the standard test alone unless asked (configs/task/*.yaml ask for every test set)
+        self.tests = (STANDARD,) if tests is None else tuple(tests) if isinstance(tests, (list, tuple)) else (tests,)
+        unknown = [t for t in self.tests if t not in self.TESTS]
+        if unknown or not self.tests or len(set(self.tests)) < len(self.tests):
+            raise PosbenchError(f"task.tests={list(self.tests)!r}: choose distinct test sets among "
+                                f"{', '.join(self.TESTS)} (task={self.name})")
+        threshold = self.LEARNT_AT_C if learnt_at_c is None else learnt_at_c
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise PosbenchError(f"task.learnt_at_c={learnt_at_c!r} must be an accuracy in [0, 1], e.g. 0.9")
+        self.learnt_at_c = float(threshold)
 
     @property
     def vocab_size(self) -> int:
@@ -94,10 +124,33 @@ class Task:
         """Accuracy of a uniform guess among the answer tokens (a reference line)."""
         raise NotImplementedError
 
-    def sequences(self, stream: int, length: int, n: int) -> Batch:
-        """The fixed held-out sequences of ``stream`` (VALID or TEST) at ``length``."""
+    def sequences(self, stream: int, length: int, n: int, test: str = STANDARD) -> Batch:
+        """The fixed held-out sequences of ``stream`` (VALID or TEST) at ``length``; ``test``
+        names a test set of ``TESTS`` (seed words ``[task.seed, stream, length, its index]``;
+        the standard one keeps ``[task.seed, stream, length]``)."""
         split = "train" if stream == TRAIN else "test"
-        return self.generate(np.random.default_rng([self.seed, stream, length]), n, length, split)
+        if test == STANDARD:
+            return self.generate(np.random.default_rng([self.seed, stream, length]), n, length, split)
+        rng = np.random.default_rng([self.seed, stream, length, self.TESTS.index(test)])
+        return self.test_batch(rng, n, length, test)
+
+    def test_batch(self, rng: np.random.Generator, n: int, length: int, test: str) -> Batch:
+        """``n`` sequences of the test set ``test`` (one of ``TESTS`` other than the standard)."""
+        raise NotImplementedError
+
+    def answer_axes(self, batch: Batch) -> dict[str, np.ndarray]:
+        """Per answer, the quantities besides position that an answer's accuracy is reported by
+        (``(N, L)`` int arrays read where ``batch.answers`` is set), e.g. ``lookback``."""
+        return {}
+
+    def axis_bands(self, axis: str, length: int) -> list[tuple[int, int]]:
+        """The bands ``[a, b)`` an answer axis is reported by at ``length`` (:func:`lookback_bands`)."""
+        return lookback_bands(length, self.context)
+
+    def baselines(self, batch: Batch) -> dict[str, np.ndarray]:
+        """Per answer, the expected correctness ``(N, L)`` of guesses a model could make without
+        solving the task: ``chance`` and the task's shortcuts."""
+        return {"chance": np.full(batch.answers.shape, self.chance())}
 
     def train_batch(self, run_seed: int, step: int, batch_size: int) -> Batch:
         """The global training batch of ``step`` (length C)."""
@@ -106,6 +159,17 @@ class Task:
 
     def check_length(self, length: int) -> None:
         """Refuse an evaluation length the task cannot fill (one line)."""
+
+
+def lookback_bands(length: int, context: int) -> list[tuple[int, int]]:
+    """The bands ``[a, b)`` that lookbacks at ``length`` are drawn and reported in: 0-C, C-2C,
+    2C-4C, ... (the edges of :func:`posbench.evaluate.band_edges`) and the rest up to ``length``."""
+    edges = [0, min(context, length)]
+    while edges[-1] * 2 <= length:
+        edges.append(edges[-1] * 2)
+    if edges[-1] < length:
+        edges.append(length)
+    return list(itertools.pairwise(edges))
 
 
 def answer_share(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -163,5 +227,5 @@ class TaskBatches:
         return x, y
 
 
-__all__ = ["Batch", "IGNORE", "Task", "TaskBatches", "TEST", "TRAIN", "VALID", "answer_share", "list_tasks",
-           "make_task", "positive_int", "register_task"]
+__all__ = ["Batch", "EVALUATION_OPTIONS", "IGNORE", "STANDARD", "Task", "TaskBatches", "TEST", "TRAIN", "VALID", "answer_share", "list_tasks",
+           "lookback_bands", "make_task", "positive_int", "register_task", "task_class"]

@@ -23,7 +23,7 @@ from posbench.evaluate import band_edges, inference, sequences_fingerprint
 from posbench.extension import NONE, evaluation_order, extended, record_extension
 from posbench.results import SCHEMA_VERSION
 from posbench.stats import bootstrap_interval
-from posbench.tasks.base import IGNORE, TEST, VALID, Batch, Task
+from posbench.tasks.base import IGNORE, STANDARD, TEST, VALID, Batch, Task, task_class
 
 ENTRY_SPLIT = "test"
 
@@ -68,13 +68,41 @@ def shown_mean(value: dict[str, Any]) -> str:
     return "- (no answer)" if value["mean"] is None else f"{value['mean']:.3f}"
 
 
+def axis_summary(values: np.ndarray, context: int) -> dict[str, Any]:
+    """An answer axis (e.g. lookback) over the answers: median, 90th percentile, max and the
+    fraction at ``>= context`` (out of reach of a window of the last C tokens)."""
+    if values.size == 0:
+        return {"median": None, "p90": None, "max": None, "beyond_context": None}
+    return {"median": float(np.median(values)), "p90": float(np.percentile(values, 90)), "max": int(values.max()),
+            "beyond_context": float((values >= context).mean())}
+
+
+def answer_details(task: Task, batch: Batch, correct: np.ndarray, length: int, train_context: int) -> dict[str, Any]:
+    """The entry's baselines (mean over sequences of each guess's expected accuracy) and, per
+    answer axis of the task (``lookback``, ``string_length``), its summary and the accuracy by
+    its bands ``by_<axis>`` (0-C, C-2C, ...)."""
+    answers = batch.answers
+    rows = np.flatnonzero(answers.sum(axis=1) > 0)
+    details: dict[str, Any] = {"baselines": {
+        name: float(((hits * answers)[rows].sum(axis=1) / answers[rows].sum(axis=1)).mean()) if rows.size else None
+        for name, hits in task.baselines(batch).items()}}
+    for axis, values in task.answer_axes(batch).items():
+        details[axis] = axis_summary(values[answers], train_context)
+        details[f"by_{axis}"] = {}
+        for a, b in task.axis_bands(axis, length):
+            inside = answers & (values >= a) & (values < b)
+            per_sequence, _ = sequence_accuracy(correct, inside)
+            details[f"by_{axis}"][f"{a}-{b}"] = {**summary(per_sequence), "answers": int(inside.sum())}
+    return details
+
+
 def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, *, length: int,
-               train_context: int) -> dict[str, Any]:
+               train_context: int, test: str = STANDARD) -> dict[str, Any]:
     """One results.json ``task.entries`` item (docs/tasks.md, "Results")."""
     answers = batch.answers
     per_sequence, rows = sequence_accuracy(correct, answers)
     entry: dict[str, Any] = {
-        "split": ENTRY_SPLIT, "length": length, "num_sequences": int(answers.shape[0]),
+        "split": ENTRY_SPLIT, "test_set": test, "length": length, "num_sequences": int(answers.shape[0]),
         "sequences_sha256": sequences_fingerprint(torch.from_numpy(np.asarray(batch.tokens))),
         "answers": int(answers.sum()),
         "loss": float(loss[answers].mean()) if answers.any() else None,
@@ -92,6 +120,7 @@ def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, 
         exact = (correct | ~answers)[rows].all(axis=1).astype(np.float64)  # every answer of the row right
         entry["exact_match"] = summary(exact)
         entry["sequence_exact_match"] = exact.tolist()
+    entry.update(answer_details(task, batch, correct, length, train_context))
     return entry
 
 
@@ -100,23 +129,24 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
     """Every (eval length, extension) of ``evaluation`` (an :class:`posbench.settings.EvalConfig`)
     on ``evaluation.num_sequences`` test sequences of the task: the results.json entries."""
     entries = []
-    for length in sorted(set(evaluation.lengths)):
+    for test, length in ((test, length) for test in task.tests for length in sorted(set(evaluation.lengths))):
         task.check_length(length)
-        batch = task.sequences(TEST, length, evaluation.num_sequences)
+        batch = task.sequences(TEST, length, evaluation.num_sequences, test)
         for extension in evaluation_order(evaluation.extension):
             started = time.perf_counter()
             settings = evaluation.extension_options()  # eval.rerope.*, eval.self_extend.*
             with extended(model, extension, train_context, length, evaluation.extension_factor, settings) as factor:
                 correct, loss = answer_scores(model, batch, evaluation.batch_size, device, autocast_dtype)
-            entry = task_entry(task, batch, correct, loss, length=length, train_context=train_context)
+            entry = task_entry(task, batch, correct, loss, length=length, train_context=train_context, test=test)
             record_extension(entry, extension, factor, train_context, length, settings)
             entry["seconds"] = time.perf_counter() - started
             entries.append(entry)
             shown = ", ".join(f"{band}: {v['mean']:.3f}" for band, v in entry["by_position"].items() if v["n"])
-            label = "" if extension == NONE else f" {extension}"
+            label = ("" if test == STANDARD else f" {test}") + ("" if extension == NONE else f" {extension}")
             extra = f", exact match {shown_mean(entry['exact_match'])}" if "exact_match" in entry else ""
+            baselines = ", ".join(f"{k} {v:.3f}" for k, v in entry["baselines"].items() if v is not None)
             log(f"task {task.name} length {length}{label}: accuracy {shown_mean(entry['accuracy'])}{extra} "
-                f"(by position {shown})")
+                f"(by position {shown}; baselines {baselines})")
     return entries
 
 
@@ -151,24 +181,49 @@ def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dty
     its options and the entries of :func:`evaluate_task`."""
     task, context = spec.task, spec.trainer.context
     entries = evaluate_task(model, task, spec.eval, context, device, autocast_dtype, log)
+    record = {"name": task.name, "options": {k: v for k, v in spec.task_options.items() if k != "name"},
+              "metrics": list(task.metrics), "chance": task.chance(), "vocab_size": task.vocab_size, "entries": entries}
+    record["learnt_at_c"] = learnt_at_c(record, context)
+    if not record["learnt_at_c"]["learnt"]:
+        log(f"task {task.name}: not learnt at C (accuracy at {context} on the standard test "
+            f"{shown_mean({'mean': record['learnt_at_c']['value']})} < task.learnt_at_c={task.learnt_at_c}): "
+            "comparisons leave this run out of every claim past C")
     return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed, "train_context": context,
-            "eval": [],
-            "task": {"name": task.name, "options": {k: v for k, v in spec.task_options.items() if k != "name"}, "metrics": list(task.metrics),
-                     "chance": task.chance(), "vocab_size": task.vocab_size, "entries": entries},
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "eval": [], "task": record, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def learnt_at_c(task: dict[str, Any], train_context: int) -> dict[str, Any]:
+    """Whether a run learnt its task at C: the plain model's accuracy on the standard test at
+    length C against ``task.learnt_at_c`` (the task's default for runs that predate the option).
+    ``task`` is results.json's ``task``; a run with a recorded verdict keeps it. ``value`` is
+    None (and ``learnt`` False) when the run has no such entry."""
+    if isinstance(task.get("learnt_at_c"), dict):
+        return task["learnt_at_c"]
+    cls = task_class(task.get("name", ""))
+    threshold = (task.get("options") or {}).get("learnt_at_c")
+    threshold = float(threshold if threshold is not None else cls.LEARNT_AT_C if cls else Task.LEARNT_AT_C)
+    value = next((e["accuracy"]["mean"] for e in task.get("entries", [])
+                  if e.get("test_set", STANDARD) == STANDARD and int(e["length"]) == train_context
+                  and e.get("extension", NONE) == NONE and "accuracy" in e), None)
+    learnt = value is not None and not np.isnan(value) and value >= threshold
+    return {"test_set": STANDARD, "length": train_context, "metric": "accuracy", "threshold": threshold,
+            "value": value, "learnt": bool(learnt)}
 
 
 def task_summary(results: dict[str, Any]) -> dict[str, float]:
-    """``task/<metric>_<L>`` of the plain model (W&B summary, the run's last log line); empty for text runs."""
+    """``task/<metric>_<L>`` of the plain model on the standard test (``task/<test>_<metric>_<L>``
+    on the others): the W&B summary and the run's last log line; empty for text runs."""
     out: dict[str, float] = {}
     for entry in (results.get("task") or {}).get("entries", []):
         if entry.get("extension", NONE) != NONE:
             continue
+        test = entry.get("test_set", STANDARD)
+        prefix = "" if test == STANDARD else f"{test}_"
         for metric in ("accuracy", "exact_match"):
             if metric in entry and entry[metric]["mean"] is not None:
-                out[f"task/{metric}_{entry['length']}"] = float(entry[metric]["mean"])
+                out[f"task/{prefix}{metric}_{entry['length']}"] = float(entry[metric]["mean"])
     return out
 
 
-__all__ = ["answer_scores", "evaluate_task", "sequence_accuracy", "task_entry", "task_results",
-           "task_summary", "validation_batches", "validation_metrics"]
+__all__ = ["answer_details", "answer_scores", "axis_summary", "evaluate_task", "learnt_at_c", "sequence_accuracy",
+           "task_entry", "task_results", "task_summary", "validation_batches", "validation_metrics"]

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from posbench.tasks.base import Task, TaskBatches, answer_share
+from posbench.tasks.base import EVALUATION_OPTIONS, Task, TaskBatches, answer_share
 from posbench.tasks.evaluate import task_results, task_summary, validation_batches, validation_metrics
 
 
@@ -48,8 +48,9 @@ class TaskWorkload:
         return validation_metrics(model, self.task, sets, context, batch_size, device, amp_dtype)
 
     def identity(self) -> dict[str, str]:
-        """Resume check: the task and its options (the data is a function of them)."""
-        return {"task": f"{self.task.name}:{sorted(self.options.items())}"}
+        """Resume check: the task and the options that set its data (not the evaluation's)."""
+        options = {k: v for k, v in self.options.items() if k not in EVALUATION_OPTIONS}
+        return {"task": f"{self.task.name}:{sorted(options.items())}"}
 
     def evaluate(self, model: nn.Module, spec: Any, device: torch.device, amp_dtype: torch.dtype | None,
                  log: Callable[[str], None]) -> dict[str, Any]:
