@@ -75,7 +75,7 @@ def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, 
     per_sequence, rows = sequence_accuracy(correct, answers)
     entry: dict[str, Any] = {
         "split": ENTRY_SPLIT, "length": length, "num_sequences": int(answers.shape[0]),
-        "sequences_sha256": sequences_fingerprint(torch.from_numpy(np.asarray(batch.tokens))),
+        "sequences_sha256": sequences_fingerprint(torch.from_numpy(np.asarray(batch.fingerprint_ids()))),
         "answers": int(answers.sum()),
         "loss": float(loss[answers].mean()) if answers.any() else None,
         "accuracy": summary(per_sequence),
@@ -92,6 +92,9 @@ def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, 
         exact = (correct | ~answers)[rows].all(axis=1).astype(np.float64)  # every answer of the row right
         entry["exact_match"] = summary(exact)
         entry["sequence_exact_match"] = exact.tolist()
+    baselines = task.baselines(batch)
+    if baselines:  # answering without the skill on these sequences (MQAR: chance, in-context guess, elimination)
+        entry["baselines"] = baselines
     return entry
 
 
@@ -100,8 +103,8 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
     """Every (eval length, extension) of ``evaluation`` (an :class:`posbench.settings.EvalConfig`)
     on ``evaluation.num_sequences`` test sequences of the task: the results.json entries."""
     entries = []
+    task.check_lengths(evaluation.lengths)
     for length in sorted(set(evaluation.lengths)):
-        task.check_length(length)
         batch = task.sequences(TEST, length, evaluation.num_sequences)
         for extension in evaluation_order(evaluation.extension):
             started = time.perf_counter()
@@ -115,6 +118,7 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
             shown = ", ".join(f"{band}: {v['mean']:.3f}" for band, v in entry["by_position"].items() if v["n"])
             label = "" if extension == NONE else f" {extension}"
             extra = f", exact match {shown_mean(entry['exact_match'])}" if "exact_match" in entry else ""
+            extra += "".join(f", {name} {value:.3f}" for name, value in entry.get("baselines", {}).items())
             log(f"task {task.name} length {length}{label}: accuracy {shown_mean(entry['accuracy'])}{extra} "
                 f"(by position {shown})")
     return entries

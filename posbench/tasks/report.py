@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -72,6 +72,29 @@ class TaskTable:
     metrics: list[str]
     chance: float
     context: int
+    baselines: dict[str, dict[int, float]] = field(default_factory=dict)
+    """MQAR: answering without the lookup (``chance``, ``in_context``, ``elimination``) -> length -> accuracy."""
+
+
+def table_baselines(runs: Sequence[RunRecord]) -> dict[str, dict[int, float]]:
+    """The baselines the runs' entries record (the same test sequences for every run of a task)."""
+    found: dict[str, dict[int, float]] = {}
+    for run in runs:
+        for length, entry in plain_entries(run, "accuracy").items():
+            for name, value in entry.get("baselines", {}).items():
+                found.setdefault(name, {}).setdefault(length, float(value))
+    return found
+
+
+BASELINE_NOTE = ("Baselines: `chance` guesses among all values, `in_context` among the values in the sequence "
+                 "(1/N), `elimination` among the values whose pairs have not appeared in the query region yet "
+                 "(1/N when answers are labels only); a model above them reads the query key.")
+
+
+def baseline_rows(table: TaskTable, lengths: Sequence[int]) -> list[str]:
+    """Markdown rows ``| baseline: <name> | - | values by length | ... |`` under a task's accuracy table."""
+    return [f"| baseline: {name} | - | " + " | ".join(f"{by_length[L]:.3f}" if L in by_length else "-" for L in lengths)
+            + " | on the test sequences |" for name, by_length in table.baselines.items()]
 
 
 def task_tables(runs: Sequence[RunRecord]) -> list[TaskTable]:
@@ -86,7 +109,8 @@ def task_tables(runs: Sequence[RunRecord]) -> list[TaskTable]:
         lengths = sorted({int(e["length"]) for r in members for e in r.results["task"]["entries"]})
         groups = {g.label: g.runs for g in group_runs(members).values()}
         tables.append(TaskTable(task["name"], label, groups, lengths, list(task.get("metrics", ["accuracy"])),
-                                float(task.get("chance", 0.0)), min(r.train_context for r in members)))
+                                float(task.get("chance", 0.0)), min(r.train_context for r in members),
+                                table_baselines(members)))
     return tables
 
 
@@ -119,6 +143,8 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
             for label, runs in table.groups.items():
                 cells = " | ".join(_cell(interval(runs, metric, L)) for L in table.lengths)
                 lines.append(f"| {label} | {len(runs)} | {cells} | {_how(runs)} |")
+            if metric == "accuracy" and table.baselines:
+                lines += baseline_rows(table, table.lengths) + ["", BASELINE_NOTE]
             lines.append("")
         longest = table.lengths[-1]
         buckets = sorted({b for runs in table.groups.values() for r in runs
@@ -153,6 +179,10 @@ def tables_csv(tables: Sequence[TaskTable]) -> str:
                         bounds = ["" if v is None else f"{v:.6f}" for v in (value.low, value.high)]
                         writer.writerow([table.name, options, label, len(runs), metric, L, bucket or "all",
                                          f"{value.mean:.6f}", *bounds, value.n, value.kind])
+        for name, by_length in table.baselines.items():  # MQAR: the accuracy of answering without the lookup
+            for L, mean in sorted(by_length.items()):
+                writer.writerow([table.name, options, f"baseline: {name}", 0, "accuracy", L, "all", f"{mean:.6f}",
+                                 "", "", "", "baseline"])
     return buffer.getvalue()
 
 
@@ -175,6 +205,11 @@ def task_figure(table: TaskTable):
                         markersize=4, capsize=3, linewidth=1.3, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         if metric == "accuracy":
             ax.axhline(table.chance, color="grey", linestyle=":", linewidth=1, label="chance")
+            for (name, by_length), dash in zip([(n, b) for n, b in table.baselines.items() if n != "chance"],
+                                               ("--", "-.", (0, (1, 3)))):
+                points = sorted(by_length.items())
+                ax.plot([L for L, _ in points], [v for _, v in points], color="grey", linestyle=dash, linewidth=1,
+                        label=f"baseline: {name}")
         ax.axvline(table.context, color="black", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xticks(table.lengths, [str(L) for L in table.lengths])
