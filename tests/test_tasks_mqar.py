@@ -3,6 +3,9 @@ values, N fixed across lengths, power-law gaps, the baselines, and the length ch
 
 from __future__ import annotations
 
+import csv
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +13,11 @@ import torch
 from conftest import compose_config
 
 from posbench.errors import PosbenchError
+from posbench.results import RunRecord
 from posbench.spec import build_spec
 from posbench.tasks import IGNORE, TEST, Batch, TaskBatches, make_task
 from posbench.tasks.evaluate import sequence_accuracy, task_entry
+from posbench.tasks.report import tables_csv, tables_markdown, task_figure, task_tables
 
 C = 64
 N = 8
@@ -169,3 +174,26 @@ def test_the_shortest_length_is_checked_and_named_at_once():
     assert "at length 16" in message and "task.num_pairs<=4" in message and "below 32" in message
     mqar().check_lengths([32, 64, 512])
     assert "task.power_a=0 must be in (0, 1]" in refusal("task.power_a=0")
+
+
+def test_the_task_report_shows_the_baselines_beside_the_accuracy(tmp_path):
+    t = mqar()
+    entries = []
+    for L in (C, 2 * C):
+        test = t.sequences(TEST, L, 20)
+        correct = key_oracle(t, test) == test.targets
+        entries.append({**task_entry(t, test, correct, np.zeros(test.answers.shape), length=L, train_context=C),
+                        "extension": "none"})
+    results = {"method": "rope", "seed": 0, "train_context": C, "eval": [], "train": {"steps": 1},
+               "task": {"name": t.name, "options": {"num_pairs": N}, "metrics": ["accuracy"], "chance": t.chance(),
+                        "entries": entries}}
+    table = task_tables([RunRecord(tmp_path / "run", results)])[0]
+    assert table.baselines == {"chance": {C: 1 / 32, 2 * C: 1 / 32}, "in_context": {C: 1 / N, 2 * C: 1 / N},
+                               "elimination": {C: 1 / N, 2 * C: 1 / N}}
+    markdown = tables_markdown([table])
+    assert "| baseline: in_context | - | 0.125 | 0.125 |" in markdown
+    assert "| baseline: elimination | - | 0.125 | 0.125 |" in markdown and "| rope | 1 | 1.000" in markdown
+    rows = [r for r in csv.DictReader(io.StringIO(tables_csv([table]))) if r["group"].startswith("baseline")]
+    assert {(r["group"], r["length"], r["mean"]) for r in rows} >= {("baseline: elimination", str(C), "0.125000")}
+    labels = [line.get_label() for line in task_figure(table).axes[0].get_lines()]
+    assert "baseline: in_context" in labels and "baseline: elimination" in labels
