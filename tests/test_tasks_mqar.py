@@ -197,3 +197,15 @@ def test_the_task_report_shows_the_baselines_beside_the_accuracy(tmp_path):
     assert {(r["group"], r["length"], r["mean"]) for r in rows} >= {("baseline: elimination", str(C), "0.125000")}
     labels = [line.get_label() for line in task_figure(table).axes[0].get_lines()]
     assert "baseline: in_context" in labels and "baseline: elimination" in labels
+
+
+@pytest.mark.parametrize("name", ["flipflop", "copy"])
+def test_other_tasks_still_predict_the_next_input(name):
+    """Labels apart from the inputs are MQAR's alone: flip-flop and copy targets are the next
+    input token, and their sequences' checksums are over the tokens, as before."""
+    batch = make_task({"name": name}, C).sequences(TEST, 2 * C, 8)
+    x, y = batch.inputs_targets()
+    want = torch.from_numpy(batch.tokens[:, 1:].copy())
+    want[~torch.from_numpy(batch.answers)] = IGNORE
+    assert batch.labels is None and torch.equal(x, torch.from_numpy(batch.tokens[:, :-1])) and torch.equal(y, want)
+    assert batch.fingerprint_ids() is batch.tokens

@@ -16,6 +16,7 @@ evaluated on the same test sequences (paired). ``configs/task/<name>.yaml`` sele
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,7 +124,7 @@ class Task:
     def check_length(self, length: int) -> None:
         """Refuse an evaluation length the task cannot fill (one line)."""
 
-    def check_lengths(self, lengths: Any) -> None:
+    def check_lengths(self, lengths: Sequence[int]) -> None:
         """Refuse evaluation ``lengths`` before any work, naming at once what all of them need."""
         for length in lengths:
             self.check_length(length)

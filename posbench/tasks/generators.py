@@ -6,6 +6,8 @@ answers are right by construction (tests/test_tasks.py re-derives them with a pl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from posbench.errors import PosbenchError
@@ -96,7 +98,7 @@ class AssocRecall(Task):
                                 f"all); drop lengths below {4 * self.num_pairs} from eval.lengths or set "
                                 f"task.num_pairs<={length // 4}")
 
-    def check_lengths(self, lengths) -> None:
+    def check_lengths(self, lengths: Sequence[int]) -> None:
         """``N`` is the same at every length, so the shortest length binds."""
         if len(lengths):
             self.check_length(min(lengths))
