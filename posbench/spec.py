@@ -173,8 +173,7 @@ def task_config(section: Any, trainer: TrainerConfig, evaluation: EvalConfig) ->
         return None, {}
     options = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
     task = make_task(options, trainer.context)
-    for length in evaluation.lengths:
-        task.check_length(length)
+    task.check_lengths(evaluation.lengths)
     if evaluation.probes:
         raise PosbenchError(f"eval.probes={list(evaluation.probes)} read text, and task={task.name} runs have none; "
                             "drop eval.probes (the task's own accuracy is the measurement)")

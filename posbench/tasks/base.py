@@ -17,6 +17,7 @@ evaluated on the same test sequences (paired). ``configs/task/<name>.yaml`` sele
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,23 +59,39 @@ def task_class(name: str) -> type["Task"] | None:
 
 @dataclass
 class Batch:
-    """Generated sequences: ``tokens`` ``(N, L + 1)`` int64 (inputs ``[:, :-1]``, targets
-    ``[:, 1:]``) and ``answers`` ``(N, L)`` bool: target ``t`` (token ``t + 1``) is scored."""
+    """Generated sequences: ``tokens`` ``(N, L + 1)`` int64 (inputs ``[:, :-1]``), ``answers``
+    ``(N, L)`` bool: target ``t`` is scored, and ``labels`` ``(N, L)``: the targets when they are
+    not the next input (MQAR's values are labels only, never inputs); None = the next input,
+    ``tokens[:, 1:]``."""
 
     tokens: np.ndarray
     answers: np.ndarray
+    labels: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         """``(N, L + 1)``, as an evaluation window tensor's."""
         return self.tokens.shape
 
+    @property
+    def inputs(self) -> np.ndarray:
+        return self.tokens[:, :-1]  # (N, L)
+
+    @property
+    def targets(self) -> np.ndarray:
+        """``(N, L)``: the target of every input (read it where ``answers`` is set)."""
+        return self.tokens[:, 1:] if self.labels is None else self.labels
+
+    def fingerprint_ids(self) -> np.ndarray:
+        """What identifies the sequences: the tokens, and the labels when there are any."""
+        return self.tokens if self.labels is None else np.concatenate([self.tokens, self.labels], axis=1)
+
     def inputs_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)`` int64 tensors ``(N, L)``; ``y`` holds :data:`IGNORE` off the answers."""
-        tokens = torch.from_numpy(self.tokens.astype(np.int64))
-        y = tokens[:, 1:].clone()
+        x = torch.from_numpy(self.inputs.astype(np.int64))
+        y = torch.from_numpy(self.targets.astype(np.int64))  # a copy (astype)
         y[~torch.from_numpy(self.answers)] = IGNORE
-        return tokens[:, :-1].contiguous(), y
+        return x.contiguous(), y
 
 
 class Task:
@@ -152,6 +169,15 @@ class Task:
         solving the task: ``chance`` and the task's shortcuts."""
         return {"chance": np.full(batch.answers.shape, self.chance())}
 
+    def baseline_accuracy(self, batch: Batch) -> dict[str, float | None]:
+        """Each :meth:`baselines` guess's accuracy on ``batch``, averaged as a model's is: the mean
+        over sequences (with at least one answer) of the mean over their answers."""
+        answers = batch.answers
+        counts = answers.sum(axis=1)
+        rows = counts > 0
+        return {name: float(((hits * answers).sum(axis=1)[rows] / counts[rows]).mean()) if rows.any() else None
+                for name, hits in self.baselines(batch).items()}
+
     def train_batch(self, run_seed: int, step: int, batch_size: int) -> Batch:
         """The global training batch of ``step`` (length C)."""
         return self.generate(np.random.default_rng([self.seed, TRAIN, run_seed, step]), batch_size,
@@ -159,6 +185,11 @@ class Task:
 
     def check_length(self, length: int) -> None:
         """Refuse an evaluation length the task cannot fill (one line)."""
+
+    def check_lengths(self, lengths: Sequence[int]) -> None:
+        """Refuse evaluation ``lengths`` before any work, naming at once what all of them need."""
+        for length in lengths:
+            self.check_length(length)
 
 
 def lookback_bands(length: int, context: int) -> list[tuple[int, int]]:

@@ -82,10 +82,7 @@ def answer_details(task: Task, batch: Batch, correct: np.ndarray, length: int, t
     answer axis of the task (``lookback``, ``string_length``), its summary and the accuracy by
     its bands ``by_<axis>`` (0-C, C-2C, ...)."""
     answers = batch.answers
-    rows = np.flatnonzero(answers.sum(axis=1) > 0)
-    details: dict[str, Any] = {"baselines": {
-        name: float(((hits * answers)[rows].sum(axis=1) / answers[rows].sum(axis=1)).mean()) if rows.size else None
-        for name, hits in task.baselines(batch).items()}}
+    details: dict[str, Any] = {"baselines": task.baseline_accuracy(batch)}
     for axis, values in task.answer_axes(batch).items():
         details[axis] = axis_summary(values[answers], train_context)
         details[f"by_{axis}"] = {}
@@ -103,7 +100,7 @@ def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, 
     per_sequence, rows = sequence_accuracy(correct, answers)
     entry: dict[str, Any] = {
         "split": ENTRY_SPLIT, "test_set": test, "length": length, "num_sequences": int(answers.shape[0]),
-        "sequences_sha256": sequences_fingerprint(torch.from_numpy(np.asarray(batch.tokens))),
+        "sequences_sha256": sequences_fingerprint(torch.from_numpy(np.asarray(batch.fingerprint_ids()))),
         "answers": int(answers.sum()),
         "loss": float(loss[answers].mean()) if answers.any() else None,
         "accuracy": summary(per_sequence),
@@ -129,8 +126,8 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
     """Every (eval length, extension) of ``evaluation`` (an :class:`posbench.settings.EvalConfig`)
     on ``evaluation.num_sequences`` test sequences of the task: the results.json entries."""
     entries = []
+    task.check_lengths(evaluation.lengths)
     for test, length in ((test, length) for test in task.tests for length in sorted(set(evaluation.lengths))):
-        task.check_length(length)
         batch = task.sequences(TEST, length, evaluation.num_sequences, test)
         for extension in evaluation_order(evaluation.extension):
             started = time.perf_counter()

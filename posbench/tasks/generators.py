@@ -7,11 +7,12 @@ answers are right by construction (tests/test_tasks.py re-derives them with a pl
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
 from posbench.errors import PosbenchError
-from posbench.tasks.base import STANDARD, Batch, Task, lookback_bands, positive_int, register_task
+from posbench.tasks.base import IGNORE, STANDARD, Batch, Task, lookback_bands, positive_int, register_task
 
 
 @register_task
@@ -125,54 +126,98 @@ class FlipFlop(Task):
 
 @register_task
 class AssocRecall(Task):
-    """Multi-query associative recall (MQAR; Arora et al. 2023, Zoology): ``N`` key-value pairs
-    ``k v`` (distinct keys), then a query region of two-token slots; ``N`` of them, at uniformly
-    drawn slots in random key order, are queries ``k v`` whose value is the answer, the others
-    hold the filler ``_ _``. ``N = num_pairs * L / C`` grows with the length ``L``, and so does the
-    query distance (the query region is ``L - 2N`` tokens)."""
+    """Multi-query associative recall (MQAR) as Zoology's ``multiquery_ar`` (Arora et al. 2023):
+    ``N = num_pairs`` key-value pairs ``k v`` (distinct keys, distinct values), then a query
+    region of two-token slots holding the filler ``_ _``; each key is queried once, at a slot
+    drawn without replacement with probability proportional to ``(gap + 1) ** (power_a - 1)``
+    (a power law: near the pairs more often; ``power_a = 1`` is uniform). A query is the key
+    followed by the filler: the value is the *label* of the key's position, never an input, so
+    earlier answers cannot be read off the sequence. ``N`` is the same at every length; only the
+    query region, and so the gaps, grow with ``L``."""
 
     name = "assoc_recall"
 
-    def __init__(self, context: int, *, seed: int = 0, num_pairs: int = 8, num_keys: int = 128,
-                 num_values: int = 128) -> None:
-        super().__init__(context, seed=seed)
+    def __init__(self, context: int, *, seed: int = 0, num_pairs: int = 8, num_keys: int = 64,
+                 num_values: int = 64, power_a: float = 0.01, tests: list[str] | None = None,
+                 learnt_at_c: float | None = None) -> None:
+        super().__init__(context, seed=seed, tests=tests, learnt_at_c=learnt_at_c)
         self.num_pairs = positive_int(self.name, "num_pairs", num_pairs)
         self.num_keys = positive_int(self.name, "num_keys", num_keys)
         self.num_values = positive_int(self.name, "num_values", num_values, minimum=2)
+        if isinstance(power_a, bool) or not isinstance(power_a, (int, float)) or not 0.0 < power_a <= 1.0:
+            raise PosbenchError(f"task.power_a={power_a!r} must be in (0, 1]: Zoology's 0.01 puts queries near "
+                                "the pairs, 1.0 anywhere in the query region")
+        self.power_a = float(power_a)
+        for key, size in (("num_keys", num_keys), ("num_values", num_values)):
+            if size < num_pairs:
+                raise PosbenchError(f"task.{key}={size} cannot give task.num_pairs={num_pairs} pairs distinct "
+                                    f"{key[4:]}; raise task.{key} to {num_pairs}")
         if 4 * num_pairs > context:
             raise PosbenchError(f"task.num_pairs={num_pairs} needs a training context of at least {4 * num_pairs} "
                                 f"(pairs and queries of 2 tokens each); got trainer.context={context}; "
                                 f"use task.num_pairs<={context // 4}")
-        self.check_length(context)
         self.vocab = tuple([f"k{i}" for i in range(num_keys)] + [f"v{i}" for i in range(num_values)] + ["_"])
         self.filler = num_keys + num_values
 
-    def pairs(self, length: int) -> int:
-        return max(1, self.num_pairs * length // self.context)
-
     def check_length(self, length: int) -> None:
-        if self.pairs(length) > self.num_keys:
-            raise PosbenchError(f"task=assoc_recall at length {length} needs {self.pairs(length)} distinct keys but "
-                                f"task.num_keys={self.num_keys}; raise task.num_keys to {self.pairs(length)}")
+        if length < 4 * self.num_pairs:
+            raise PosbenchError(f"task=assoc_recall at length {length} has no room for task.num_pairs="
+                                f"{self.num_pairs} pairs and their queries (2 tokens each, {4 * self.num_pairs} in "
+                                f"all); drop lengths below {4 * self.num_pairs} from eval.lengths or set "
+                                f"task.num_pairs<={length // 4}")
+
+    def check_lengths(self, lengths: Sequence[int]) -> None:
+        """``N`` is the same at every length, so the shortest length binds."""
+        if len(lengths):
+            self.check_length(min(lengths))
 
     def chance(self) -> float:
         return 1.0 / self.num_values
 
+    def gap_probabilities(self, slots: int) -> np.ndarray:
+        """``(slots,)``: Zoology's power law over the query slots, ``p(g) ~ (g + 1) ** (a - 1)``."""
+        p = np.arange(1, slots + 1, dtype=np.float64) ** (self.power_a - 1.0)
+        return p / p.sum()
+
     def generate(self, rng: np.random.Generator, n: int, length: int, split: str) -> Batch:
         self.check_length(length)
-        pairs, keys_end = self.pairs(length), 2 * self.pairs(length)
-        slots = (length + 1 - keys_end) // 2
+        pairs, keys_end = self.num_pairs, 2 * self.num_pairs
+        slots = (length - keys_end) // 2  # a query key at keys_end + 2 g <= length - 2
+        p = self.gap_probabilities(slots)
         tokens = np.full((n, length + 1), self.filler, dtype=np.int64)
-        answers = np.zeros((n, length), dtype=bool)
+        labels = np.full((n, length), IGNORE, dtype=np.int64)
         for row in range(n):
             keys = rng.choice(self.num_keys, pairs, replace=False)
-            values = self.num_keys + rng.integers(0, self.num_values, pairs)
+            values = self.num_keys + rng.choice(self.num_values, pairs, replace=False)
             tokens[row, 0:keys_end:2], tokens[row, 1:keys_end:2] = keys, values
-            order = rng.permutation(pairs)
-            at = keys_end + 2 * np.sort(rng.choice(slots, pairs, replace=False))  # query key positions
-            tokens[row, at], tokens[row, at + 1] = keys[order], values[order]
-            answers[row, at] = True  # the input at the query key predicts its value
-        return Batch(tokens, answers)
+            gaps = rng.choice(slots, pairs, replace=False, p=p)  # (pairs,) distinct query slots
+            order = rng.permutation(pairs)  # which pair is queried at each slot
+            at = keys_end + 2 * gaps  # query key positions; the next input stays the filler
+            tokens[row, at], labels[row, at] = keys[order], values[order]
+        return Batch(tokens, labels != IGNORE, labels)
+
+    def guesses(self, batch: Batch) -> dict[str, np.ndarray]:
+        """``(N, L)`` float arrays: the probability that a guess without the lookup is right at
+        each answer (0 off the answers). ``in_context`` guesses among the values in the inputs so
+        far (1/N here); ``elimination`` among the values of the pairs that have not yet appeared
+        as inputs in the query region: 1/(N - j) at the j-th query where answers are visible
+        inputs, 1/N where they are labels only, as here."""
+        keys_end, lo, hi = 2 * self.num_pairs, self.num_keys, self.num_keys + self.num_values
+        odds = {"in_context": np.zeros(batch.answers.shape), "elimination": np.zeros(batch.answers.shape)}
+        for row, (inputs, targets, answers) in enumerate(zip(batch.inputs, batch.targets, batch.answers)):
+            seen = [int(v) if lo <= v < hi else None for v in inputs]  # the value shown at each input
+            paired = {v for v in seen[:keys_end] if v is not None}
+            for at in np.flatnonzero(answers):
+                pools = {"in_context": {v for v in seen[: at + 1] if v is not None},
+                         "elimination": paired - set(seen[keys_end: at + 1])}
+                for name, pool in pools.items():
+                    odds[name][row, at] = 1.0 / len(pool) if int(targets[at]) in pool else 0.0
+        return odds
+
+    def baselines(self, batch: Batch) -> dict[str, np.ndarray]:
+        """``chance`` (a uniform guess among the values) and the :meth:`guesses` (``in_context``,
+        ``elimination``), per answer."""
+        return {**super().baselines(batch), **self.guesses(batch)}
 
 
 @register_task

@@ -189,6 +189,10 @@ TEST_NOTES = {
     ("copy", STANDARD): "the longest string that fits, n = L/2: past C the string is longer than any in training "
                         "and copied from further back, at new positions",
     ("copy", "shifted"): "a training-length string placed within the last C tokens: past C only the positions are new",
+    ("assoc_recall", STANDARD): "N pairs at every length, queries at power-law gaps, values as labels only; "
+                                "baselines: `chance` guesses among all values, `in_context` among the values in the "
+                                "sequence (1/N), `elimination` among the values whose pairs have not been queried "
+                                "yet (1/N when answers are labels only): a model above them reads the query key",
 }
 """One line per test set in tasks.md (docs/tasks.md describes them)."""
 
@@ -314,7 +318,7 @@ def tables_csv(tables: Sequence[TaskTable]) -> str:
     return buffer.getvalue()
 
 
-SHORTCUTS = ("previous_bit", "previous_symbol", "most_frequent")
+SHORTCUTS = ("previous_bit", "previous_symbol", "most_frequent", "in_context", "elimination")
 """Baselines drawn as the best shortcut line (the window-C oracle is drawn apart)."""
 
 
