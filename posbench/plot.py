@@ -33,7 +33,7 @@
   on the headline band and lists missing/failed runs.
 - ``paired.md`` / ``paired.csv``: A - B for every pair of groups, on every band past the context
   (loss and cost), with the paired 95 % interval and whether it excludes 0.
-- ``copy_gain_<kind>.<fmt>``, ``copy.md`` / ``copy.csv``: the copy probe (posbench.plot_probes),
+- ``copy_retrieval_<kind>.<fmt>``, ``copy_sensitivity_<kind>.<fmt>``, ``copy.md`` / ``copy.csv``: the copy probe (posbench.plot_probes),
   only when some run has ``probes`` entries.
 
 Groups are runs that differ only by seed (:func:`posbench.compare.run_facets`); failed, refused
@@ -497,7 +497,7 @@ def plot_runs(
     write_text_atomic(out / "paired.md", "# Paired differences between methods\n\n" + paired_markdown(comparison.pairs))
     write_text_atomic(out / "paired.csv", paired_csv(comparison.pairs))
     files += [out / "bands.md", out / "bands.csv", out / "paired.md", out / "paired.csv"] + extension_files
-    files += plot_probes(probe_runs, out, formats, log)  # copy_gain_*, copy.md/csv when runs have probes
+    files += plot_probes(probe_runs, out, formats, log)  # copy_retrieval_*, copy_sensitivity_*, copy.md/csv
     files += task_files
     log(f"wrote {len(files)} files for {len(runs)} runs ({len(groups)} groups) to {out}")
     return {
