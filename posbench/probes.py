@@ -394,18 +394,20 @@ def copy_probe(
     return entries
 
 
-def format_gains(entry: dict[str, Any], kind: str = "random") -> str:
-    """One line of a probe entry's cells of ``kind``, ``distance:retrieval gain/sensitivity`` per
-    region (``random inside 32:+0.01/+0.14 ... | past ...``); an entry without the matched
-    control shows its sensitivity alone and says so."""
+def format_gains(entry: dict[str, Any], kind: str | None = None) -> str:
+    """One line of a probe entry's cells of ``kind`` (None: every kind of the entry),
+    ``distance:retrieval gain/sensitivity`` per region (``random inside 32:+0.01/+0.14 ... | past
+    ...``); an entry without the matched control shows its sensitivity alone and says so."""
     matched = has_matched(entry)
+    kinds = [kind] if kind is not None else list(dict.fromkeys(c["kind"] for c in entry["cells"]))
     parts = []
-    for region in REGIONS:
-        cells = [c for c in entry["cells"] if c["kind"] == kind and c["region"] == region]
-        if cells:
-            shown = (f"{c['distance']}:{c['retrieval_gain']:+.2f}/{c['gain']:+.2f}" if matched
-                     else f"{c['distance']}:{c['gain']:+.2f}" for c in cells)
-            parts.append(f"{kind} {region} " + " ".join(shown))
+    for k in kinds:
+        for region in REGIONS:
+            cells = [c for c in entry["cells"] if c["kind"] == k and c["region"] == region]
+            if cells:
+                shown = (f"{c['distance']}:{c['retrieval_gain']:+.2f}/{c['gain']:+.2f}" if matched
+                         else f"{c['distance']}:{c['gain']:+.2f}" for c in cells)
+                parts.append(f"{k} {region} " + " ".join(shown))
     what = "retrieval gain/sensitivity" if matched else f"sensitivity only, {NO_MATCHED.split(' (')[0]}"
     return f"{what}: " + " | ".join(parts)
 

@@ -549,6 +549,11 @@ def test_entries_written_before_the_matched_control_load_without_a_retrieval_gai
     assert probe_summary([old]) == {"probe/copy/random/inside/sensitivity_d8": 1.0,
                                     "probe/copy/random/past/sensitivity_d300": 1.0}  # no reach, no retrieval
     assert format_gains(old).startswith("sensitivity only") and "/" not in format_gains(old)
+    text = {**fake_probe_entry(0.5), "kinds": ["text"]}
+    for c in text["cells"]:
+        c["kind"] = "text"
+    assert format_gains(text) == ("retrieval gain/sensitivity: text inside 8:+0.50/+0.50 | "
+                                  "text past 300:+0.50/+0.50")  # every kind of the entry, not only random
     assert cell_intervals([old], "retrieval") == {} and cell_intervals([old], "sensitivity")
     # a run re-measured on the same windows: the new entry takes the old one's place, and says so
     lines: list[str] = []
