@@ -159,7 +159,7 @@ def test_an_induction_oracle_has_a_large_retrieval_gain_at_every_distance() -> N
     for cell in entry["cells"]:
         # ln 1024 = 6.93 nats without the copy, 0.05 with it (more where a span id also occurs in the filler)
         assert cell["retrieval_interval"][0] > 6.0 and cell["retrieval_gain"] > 20 * cell["retrieval_se"], cell
-        assert cell["loss_matched"] > 6.0 > 0.5 > cell["loss_repeat"], cell
+        assert cell["loss_matched"] > 6.0 and cell["loss_repeat"] < 0.5, cell
     assert entry["reach"] == {"random": 40}  # retrieves at every distance of the grid, past C too
 
 
@@ -540,7 +540,8 @@ def test_entries_written_before_the_matched_control_load_without_a_retrieval_gai
     everywhere, and is shown as lacking the retrieval gain and the reach, never as having them."""
     from test_compare import make_run
 
-    from posbench.plot_probes import cell_intervals, copy_csv, copy_markdown, mean_reach, probe_groups
+    from posbench.plot_probes import cell_intervals, copy_csv, copy_markdown, mean_reach
+    from posbench.plot_probes import probe_groups as groups_of
     from posbench.probes import entry_reach, format_gains, has_matched
     from posbench.results import discover_runs, write_results
 
@@ -562,7 +563,7 @@ def test_entries_written_before_the_matched_control_load_without_a_retrieval_gai
     # two runs of one method, one of each: separate lines, the old one marked and without retrieval gain
     for seed, entry in ((0, old), (1, fake_probe_entry(0.25))):
         write_results(tmp_path / f"rope-{seed}", {**make_run(tmp_path / f"rope-{seed}", "rope", seed), "probes": [entry]})
-    groups = probe_groups(discover_runs([tmp_path])[0])
+    groups = groups_of(discover_runs([tmp_path])[0])
     assert sorted(groups) == ["rope", "rope (no matched control)"]
     table = copy_markdown(groups)
     retrieval = table.split("## Retrieval gain, random spans")[1].split("##")[0]

@@ -18,9 +18,9 @@ def write(tmp_path: Path) -> Path:
     bands.append("rope,3," + ",".join(["3.4,3.3,3.5", "3.5,3.4,3.6", "3.7,3.6,3.8", "0.1,0.08,0.12", "0.3,0.2,0.4", "1,1,1", "300,290,310", "343,337,349", "1024,1024,1024"]))
     bands.append("alibi,1," + ",".join(["3.3,3.2,3.4", "3.2,3.1,3.3", "3.25,3.2,3.3", "0.001,0.0,0.002", "0.001,,", "1,1,1", "512,,", "790,754,826", "1024,,"]))
     (tmp_path / "bands.csv").write_text("\n".join(bands) + "\n")
-    copy = ["group,kind,region,distance,retrieval_gain,retrieval_gain_low,retrieval_gain_high,retrieval_gain_interval,"
-            "retrieval_gain_runs,sensitivity,sensitivity_low,sensitivity_high,sensitivity_interval,sensitivity_runs,"
-            "windows,reach",
+    copy = [("group,kind,region,distance,retrieval_gain,retrieval_gain_low,retrieval_gain_high,retrieval_gain_interval,"
+             "retrieval_gain_runs,sensitivity,sensitivity_low,sensitivity_high,sensitivity_interval,sensitivity_runs,"
+             "windows,reach"),
             "rope,random,inside,32,0.5,0.4,0.6,t,3,7,7,7,t,3,64,0", "rope,random,inside,64,0.4,0.3,0.5,t,3,7,7,7,t,3,64,0",
             "rope,random,past,320,0.1,0.0,0.2,t,3,7,7,7,t,3,64,0", "rope,text,past,320,9,9,9,t,3,7,7,7,t,3,64,0",
             "alibi,random,inside,32,0.2,0.1,0.3,bootstrap,1,7,7,7,bootstrap,1,64,0"]
