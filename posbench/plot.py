@@ -35,7 +35,7 @@
   (loss and cost), with the paired 95 % interval and, over >= 2 common seeds, whether it excludes
   0; a pair with one common seed is marked ``1 seed`` and gets no verdict
   (:mod:`posbench.compare`).
-- ``copy_gain_<kind>.<fmt>``, ``copy.md`` / ``copy.csv``: the copy probe (posbench.plot_probes),
+- ``copy_retrieval_<kind>.<fmt>``, ``copy_sensitivity_<kind>.<fmt>``, ``copy.md`` / ``copy.csv``: the copy probe (posbench.plot_probes),
   only when some run has ``probes`` entries.
 
 Groups are runs that differ only by seed (:func:`posbench.compare.run_facets`); failed, refused
@@ -544,7 +544,7 @@ def plot_runs(
     write_text_atomic(out / "paired.md", "# Paired differences between methods\n\n" + paired_markdown(comparison.pairs))
     write_text_atomic(out / "paired.csv", paired_csv(comparison.pairs))
     files += [out / "bands.md", out / "bands.csv", out / "paired.md", out / "paired.csv"] + extension_files
-    files += plot_probes(probe_runs, out, formats, log)  # copy_gain_*, copy.md/csv when runs have probes
+    files += plot_probes(probe_runs, out, formats, log)  # copy_retrieval_*, copy_sensitivity_*, copy.md/csv
     files += task_files
     log(f"wrote {len(files)} files for {len(runs)} runs ({len(groups)} groups) to {out}")
     return {

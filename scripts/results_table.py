@@ -1,15 +1,16 @@
-"""The README's results table: loss bands, extrapolation cost and copy gain per method.
+"""The README's results table: loss bands, extrapolation cost and copy retrieval gain per method.
 
     python scripts/results_table.py COMPARISON_DIR [--distances 32,320] [--kind random] [--label GROUP=SHOWN ...]
 
 Reads ``bands.csv`` and ``copy.csv`` of a ``posbench plot`` output (the same runs) and prints a
 markdown table, one row per group sorted by the first band past the training context C: seeds, every loss band
 of the file (0-C, C-2C, ...), the cost on the bands past C, the effective length at the longest
-evaluated length, and the copy gain of ``--kind`` spans at the
+evaluated length, and the copy probe's retrieval gain of ``--kind`` spans at the
 smallest distance inside the context and at ``--distances`` past it (a repeat whose copy lies
 past C, docs/probes.md). Every value is ``mean ± half-width`` of its 95 % interval, as the CSVs
 hold it (t across seeds; for one seed, bands.csv's bootstrap over sequences widened by the pooled
-between-seed sd, copy.csv's bootstrap); ``-`` where a group has no such value.
+between-seed sd, copy.csv's bootstrap); ``-`` where a group has no such value (also a copy.csv of
+entries without the matched control: they have no retrieval gain).
 ``--label`` shows a group under another name (e.g. ``rope[model.attention_window=none]=rope``).
 """
 
@@ -60,7 +61,7 @@ def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distance
     inside = min((d for (_, region, d) in by_cell if region == "inside"), default=None)
     gain_columns = ([("inside", inside)] if inside is not None else []) + [("past", d) for d in distances]
     head = ["method", "seeds", *(c.replace("_", " ") for c in columns)]
-    head += [f"copy gain, {region} d={d}" for region, d in gain_columns]
+    head += [f"retrieval gain, {region} d={d}" for region, d in gain_columns]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
 
     def order(row: dict[str, str]) -> float:
@@ -73,7 +74,8 @@ def table(bands: list[dict[str, str]], copy_rows: list[dict[str, str]], distance
                                signed=band.startswith("cost"), digits=0 if band.startswith("effective") else 3))
         for region, d in gain_columns:
             g = by_cell.get((row["label"], region, d))
-            cells.append("-" if g is None else shown(g["gain"], g["low"], g["high"], signed=True))
+            cells.append("-" if g is None else shown(g.get("retrieval_gain", ""), g.get("retrieval_gain_low", ""),
+                                                     g.get("retrieval_gain_high", ""), signed=True))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,5 +1,7 @@
-"""The copy probe (posbench/probes.py): window construction, the receptive-field rule of window
-models, untrained models, determinism, held-out text only, and its results.json integration."""
+"""The copy probe (posbench/probes.py): window construction (repeat, control, matched control), the
+retrieval gain against hand-built models that cannot and can copy, the receptive-field rule of
+window models, untrained models, determinism, held-out text only, entries written before the
+matched control existed, and its results.json integration."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 import posbench
 from posbench.errors import PosbenchError
 from posbench.probes import (
+    NO_MATCHED,
     REACH_MIN_GAIN,
     cell_for,
     copy_probe,
@@ -69,8 +72,10 @@ def test_window_model_has_zero_gain_beyond_its_receptive_field_and_copies_within
         if cell["distance"] >= RECEPTIVE_FIELD:  # d >= N (W - 1) + k: no path from the first copy
             assert abs(cell["gain"]) < 1e-5, cell
             assert max(abs(g) for g in cell["window_gains"]) < 1e-5
+            assert max(abs(g) for g in cell["window_retrieval_gains"]) < 1e-5
         else:  # d = 8 < W, inside C and past it
             assert cell["interval"][0] > 0.1, cell
+            assert cell["retrieval_interval"][0] > 0.1, cell
     assert entry["reach"]["random"] == 8
 
 
@@ -91,26 +96,117 @@ def test_untrained_model_has_no_gain() -> None:
     entry = probe(model)
     for cell in entry["cells"]:
         # ~0: a few thousandths of a nat against a loss of ln(64) = 4.16, and no reach at all.
-        assert abs(cell["gain"]) < 0.02, cell
+        assert abs(cell["gain"]) < 0.02 and abs(cell["retrieval_gain"]) < 0.02, cell
         assert cell["interval"][0] < 0.02 and cell["count"] == 32
     assert entry["reach"] == {"random": 0, "text": 0}
 
 
-def test_control_and_repeat_differ_only_in_the_first_occurrence() -> None:
+# A vocabulary whose held-out text uses ids 1..15 only: random spans (ids 1..1023) are out of
+# distribution, as random BPE ids are in TinyStories text.
+BIG_V, TEXT_IDS = 1024, 16
+
+
+def narrow_stream(size: int = 20000, seed: int = 7) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, TEXT_IDS, size=size)
+
+
+class DisturbedModel(torch.nn.Module):
+    """Cannot copy: it expects text ids (logit 6), and rare ids (>= TEXT_IDS) the more, the larger
+    the share of rare ids read so far (logit 12 x share), never minding which ids or where."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        share = (ids >= TEXT_IDS).float().cumsum(1) / torch.arange(1, ids.shape[1] + 1)  # (B, T)
+        rare = torch.arange(BIG_V) >= TEXT_IDS  # (V,)
+        return torch.where(rare, 12.0 * share[..., None], torch.tensor(6.0))
+
+
+class InductionOracle(torch.nn.Module):
+    """Copies: at each position, a logit of 10 on the id that followed the latest earlier
+    occurrence of the current id (all logits 0 when it has none)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        B, T = ids.shape
+        same = ids[:, :, None] == ids[:, None, :]  # (B, T, T): query i, key j
+        earlier = torch.ones(T, T, dtype=torch.bool).tril(-1)  # j < i
+        j = torch.where(same & earlier, torch.arange(T), -1).amax(-1)  # (B, T): -1 when none
+        follower = ids.gather(1, (j + 1).clamp(max=T - 1))  # (B, T): j + 1 <= i
+        logits = torch.zeros(B, T, BIG_V).scatter_(2, follower[..., None], 10.0)
+        return logits * (j >= 0)[..., None]
+
+
+def oracle_probe(model: torch.nn.Module) -> dict:
+    (entry,) = copy_probe(model, narrow_stream(), C, vocab_size=BIG_V, special_ids=[0], span=K, num_windows=64,
+                          kinds=["random"], distances=[8, 24, 40], log=lambda _: None)
+    return entry
+
+
+def test_a_model_that_only_notices_out_of_place_ids_has_no_retrieval_gain() -> None:
+    """The confound the matched control removes: putting k random ids at p lowers this model's
+    loss on the random repeat (sensitivity > 0, what the probe called copy gain before), but it
+    cannot copy, and the matched control (other random ids at p) says so: retrieval gain 0."""
+    entry = oracle_probe(DisturbedModel())
+    assert len(entry["cells"]) == 5  # inside d=8, 24; past d=8, 24, 40 (d=40 does not fit inside C=32)
+    for cell in entry["cells"]:
+        assert cell["interval"][0] > 0.05, cell  # sensitive to what sits at distance d
+        assert cell["retrieval_interval"][0] <= 0.0 <= cell["retrieval_interval"][1], cell
+        assert abs(cell["retrieval_gain"]) <= 3 * cell["retrieval_se"] + 1e-12, cell
+        assert abs(cell["retrieval_gain"]) < cell["gain"] / 10
+    assert entry["reach"] == {"random": 0}
+
+
+def test_an_induction_oracle_has_a_large_retrieval_gain_at_every_distance() -> None:
+    entry = oracle_probe(InductionOracle())
+    for cell in entry["cells"]:
+        # ln 1024 = 6.93 nats without the copy, 0.05 with it (more where a span id also occurs in the filler)
+        assert cell["retrieval_interval"][0] > 6.0 and cell["retrieval_gain"] > 20 * cell["retrieval_se"], cell
+        assert cell["loss_matched"] > 6.0 and cell["loss_repeat"] < 0.5, cell
+    assert entry["reach"] == {"random": 40}  # retrieves at every distance of the grid, past C too
+
+
+def test_repeat_control_and_matched_control_differ_only_in_the_first_span() -> None:
     windows = make_windows(stream(), 8, 60, K, V, [0], seed=3)
     for cell in probe_cells([8, 20, 40], C, K):
         for kind in ("random", "text"):
-            repeat, control = windows.build(cell, kind)
-            assert repeat.shape == control.shape == (8, cell.length) and cell.length == cell.t + K
-            differ = (repeat != control).any(dim=0).nonzero().flatten().tolist()
-            assert set(differ) <= set(range(cell.p, cell.p + K)) and differ  # the first copy only
-            span = torch.from_numpy(windows.spans[kind])
+            repeat, control, matched = windows.build(cell, kind)
+            assert repeat.shape == control.shape == matched.shape == (8, cell.length) and cell.length == cell.t + K
+            first = set(range(cell.p, cell.p + K))
+            for other in (control, matched):
+                differ = (repeat != other).any(dim=0).nonzero().flatten().tolist()
+                assert set(differ) <= first and differ  # the first copy only
+            outside = torch.ones(cell.length, dtype=torch.bool)
+            outside[cell.p : cell.p + K] = False
+            assert torch.equal(matched[:, outside], repeat[:, outside])  # bit for bit outside the first span
+            span, other_span = (torch.from_numpy(w[kind]) for w in (windows.spans, windows.matched))
             assert torch.equal(repeat[:, cell.p : cell.p + K], span)
-            assert torch.equal(repeat[:, cell.t :], span) and torch.equal(control[:, cell.t :], span)
+            assert torch.equal(matched[:, cell.p : cell.p + K], other_span)
+            assert (other_span != span).any(dim=1).all()  # another span in every window, not S
+            for window in (repeat, control, matched):
+                assert torch.equal(window[:, cell.t :], span)  # the same scored repeat in all three
             filler = torch.from_numpy(windows.filler[:, : cell.length])
             keep = torch.ones(cell.length, dtype=torch.bool)
             keep[cell.t :] = False
             assert torch.equal(control[:, keep], filler[:, keep])  # the control is filler + the repeat
+
+
+def test_matched_spans_are_drawn_like_the_repeated_ones_and_never_copy_it() -> None:
+    tokens = stream()
+    windows = make_windows(tokens, 16, 60, K, V, [0], seed=4)
+    assert not np.isin(windows.matched["random"], [0]).any()  # the same vocabulary filter
+    for i in range(16):
+        for kind in ("random", "text"):
+            # no k/2 consecutive tokens of S in D: the matched control holds no copy of the answer
+            assert not shares_ngram(windows.matched[kind][i], windows.spans[kind][i], K // 2)
+        # text D passes the same check against its filler as text S does
+        assert not shares_ngram(windows.filler[i], windows.matched["text"][i], K // 2)
+    assert np.array_equal(windows.matched["text"], np.stack([tokens[o : o + K] for o in windows.matched_offsets]))
+    # adding the matched control left the old windows alone: fillers and spans of this seed, as
+    # drawn before it existed (the same generator calls, in the same order)
+    rng = np.random.default_rng(4)
+    slots = len(tokens) // 60
+    order = rng.permutation(slots)
+    assert np.array_equal(windows.filler_offsets, np.sort(order[:16]) * 60)
+    allowed = np.arange(1, V)
+    assert np.array_equal(windows.spans["random"], allowed[rng.integers(0, allowed.size, size=(16, K))])
 
 
 def test_spans_and_fillers_never_overlap_and_never_leak() -> None:
@@ -119,13 +215,13 @@ def test_spans_and_fillers_never_overlap_and_never_leak() -> None:
     used = np.zeros(len(tokens), dtype=int)
     for o in windows.filler_offsets:
         used[o : o + 60] += 1
-    for o in windows.text_offsets:
+    for o in [*windows.text_offsets, *windows.matched_offsets]:
         used[o : o + K] += 1
-    assert used.max() == 1  # no token of the stream serves twice
+    assert used.max() == 1  # no token of the stream serves twice (the matched text spans included)
     assert not np.isin(windows.spans["random"], [0]).any()  # no special token in random spans
     for cell in probe_cells([8, 40], C, K):
         for kind in ("random", "text"):
-            _, control = windows.build(cell, kind)
+            _, control, _ = windows.build(cell, kind)
             for row, span in zip(control.numpy(), windows.spans[kind]):
                 # nothing before the repeat in the control holds half of the span: no answer to copy
                 assert not shares_ngram(row[: cell.t], span, K // 2)
@@ -175,21 +271,28 @@ def test_cells_past_learned_positions_are_left_out_on_the_same_windows() -> None
 def test_tables_recompute_the_reach_from_the_cells() -> None:
     from posbench.plot_probes import mean_reach
 
-    cells = [{"kind": "random", "region": "inside", "distance": 32, "gain": 0.2},
-             {"kind": "random", "region": "past", "distance": 32, "gain": 0.2}]
+    cells = [{"kind": "random", "region": "inside", "distance": 32, "gain": 3.0, "retrieval_gain": 0.2},
+             {"kind": "random", "region": "past", "distance": 32, "gain": 3.0, "retrieval_gain": 0.2}]
     stale = {"probe": "copy", "distances": [32], "reach": {"random": 32}, "cells": cells}  # written with a 0.1 floor
-    assert mean_reach([stale], "random") == 0.0  # 0.2 < REACH_MIN_GAIN: barely copies
+    assert mean_reach([stale], "random") == 0.0  # retrieval 0.2 < REACH_MIN_GAIN: barely copies (whatever the sensitivity)
     assert mean_reach([stale], "text") is None
 
 
 def test_probe_summary_for_the_tracker() -> None:
     from posbench.probes import probe_summary
 
-    entry = {"probe": "copy", "extension": "none", "reach": {"random": 64},
-             "cells": [{"kind": "random", "region": "past", "distance": 64, "gain": 1.5}]}
+    cells = [{"kind": "random", "region": "inside", "distance": 32, "gain": 2.0, "retrieval_gain": 1.6},
+             {"kind": "random", "region": "past", "distance": 64, "gain": 1.5, "retrieval_gain": 1.0}]
+    entry = {"probe": "copy", "extension": "none", "kinds": ["random"], "distances": [32, 64], "reach": {"random": 64},
+             "cells": cells}
     summary = probe_summary([entry, {**entry, "extension": "yarn"}])
-    assert summary == {"probe/copy/reach_random": 64, "probe/copy/random/past/gain_d64": 1.5,
-                       "probe/copy/yarn/reach_random": 64, "probe/copy/yarn/random/past/gain_d64": 1.5}
+    assert summary == {
+        "probe/copy/reach_random": 64, "probe/copy/random/inside/retrieval_gain_d32": 1.6,
+        "probe/copy/random/inside/sensitivity_d32": 2.0, "probe/copy/random/past/retrieval_gain_d64": 1.0,
+        "probe/copy/random/past/sensitivity_d64": 1.5,
+        "probe/copy/yarn/reach_random": 64, "probe/copy/yarn/random/inside/retrieval_gain_d32": 1.6,
+        "probe/copy/yarn/random/inside/sensitivity_d32": 2.0, "probe/copy/yarn/random/past/retrieval_gain_d64": 1.0,
+        "probe/copy/yarn/random/past/sensitivity_d64": 1.5}
 
 
 def test_cells_with_the_same_repeat_position_share_one_control_pass(monkeypatch) -> None:
@@ -206,8 +309,9 @@ def test_cells_with_the_same_repeat_position_share_one_control_pass(monkeypatch)
     torch.manual_seed(0)
     entry = probe(posbench.create_model("rope", flavour="tiny", vocab_size=V).eval(), distances=[8, 12, 16, 40],
                   kinds=["random"])
-    # cells: inside d=8,12,16 (t=28), past d=8,12,16 (t=32), past d=40 (t=44): 7 repeats + 3 controls
-    assert len(entry["cells"]) == 7 and len(calls) == 7 + 3
+    # cells: inside d=8,12,16 (t=28), past d=8,12,16 (t=32), past d=40 (t=44): 7 repeats, 7 matched
+    # controls (they depend on p) + 3 controls
+    assert len(entry["cells"]) == 7 and len(calls) == 7 + 7 + 3
     inside = {c["loss_control"] for c in entry["cells"] if c["region"] == "inside"}
     assert len(inside) == 1
 
@@ -310,24 +414,33 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
 
     out = tmp_path / "comparison"
     written = plot_runs([str(run), str(other)], out, log=lambda _: None)["files"]
-    assert {str(out / f) for f in ("copy_gain_random.png", "copy.md", "copy.csv")} <= set(written)
+    assert {str(out / f) for f in ("copy_retrieval_random.png", "copy_sensitivity_random.png", "copy.md",
+                                   "copy.csv")} <= set(written)
     table = (out / "copy.md").read_text()
     assert "| rope | 1 |" in table and "| rope+window | 1 |" in table and "inside d=8" in table
     rows = (out / "copy.csv").read_text().splitlines()
-    assert rows[0].startswith("group,kind,region,distance,gain,low,high") and len(rows) == 1 + 2 * 3
+    assert rows[0].startswith("group,kind,region,distance,retrieval_gain,retrieval_gain_low,retrieval_gain_high")
+    assert len(rows) == 1 + 2 * 3
 
 
 # ----------------------------------------------------------------- review of issue 24: item 7
 
 
-def fake_probe_entry(gain: float, windows: str = "w64", num_windows: int = 64, **extra) -> dict:
-    """A copy probe entry of two cells (random spans, d=8 inside, d=300 past) with ``gain``."""
+def fake_probe_entry(gain: float, windows: str = "w64", num_windows: int = 64, matched: bool = True, **extra) -> dict:
+    """A copy probe entry of two cells (random spans, d=8 inside, d=300 past) with retrieval gain
+    and sensitivity ``gain``; ``matched=False``: as written before the matched control existed."""
     cells = [{"kind": "random", "distance": d, "region": region, "p": 0, "t": 0, "length": 320,
               "loss_repeat": 1.0, "loss_control": 1.0 + gain, "gain": gain, "interval": [gain - 0.1, gain + 0.1],
               "count": num_windows, "window_gains": [gain] * num_windows} for d, region in ((8, "inside"), (300, "past"))]
-    return {"probe": "copy", "split": "validation", "extension": "none", "seed": 0, "span": 4,
-            "num_windows": num_windows, "distances": [8, 300], "kinds": ["random"], "train_context": 256,
-            "windows_sha256": windows, "reach": {"random": 300}, "cells": cells, **extra}
+    entry = {"probe": "copy", "split": "validation", "extension": "none", "seed": 0, "span": 4,
+             "num_windows": num_windows, "distances": [8, 300], "kinds": ["random"], "train_context": 256,
+             "windows_sha256": windows, "reach": {"random": 300}, "cells": cells, **extra}
+    if matched:
+        entry["matched_sha256"] = "m" + windows
+        for c in cells:
+            c.update(loss_matched=1.0 + gain, retrieval_gain=gain, retrieval_interval=[gain - 0.1, gain + 0.1],
+                     window_retrieval_gains=[gain] * num_windows)
+    return entry
 
 
 def test_the_gain_figure_keeps_its_legend_off_both_panels() -> None:
@@ -420,3 +533,57 @@ def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, 
         evaluate_saved_run(compose_config("eval", [f"run={run}", "probes_only=true"]), log=lambda _: None)
     with pytest.raises(PosbenchError, match="probes_only must be true or false"):
         evaluate_saved_run(compose_config("eval", [f"run={run}", "probes_only=3", *probe_options]), log=lambda _: None)
+
+
+def test_entries_written_before_the_matched_control_load_without_a_retrieval_gain(tmp_path: Path) -> None:
+    """A results.json entry without the matched control (its ``gain`` is the sensitivity) loads
+    everywhere, and is shown as lacking the retrieval gain and the reach, never as having them."""
+    from test_compare import make_run
+
+    from posbench.plot_probes import cell_intervals, copy_csv, copy_markdown, mean_reach
+    from posbench.plot_probes import probe_groups as groups_of
+    from posbench.probes import entry_reach, format_gains, has_matched
+    from posbench.results import discover_runs, write_results
+
+    old = fake_probe_entry(1.0, matched=False)
+    assert not has_matched(old) and entry_reach(old, "random") is None and mean_reach([old], "random") is None
+    assert probe_summary([old]) == {"probe/copy/random/inside/sensitivity_d8": 1.0,
+                                    "probe/copy/random/past/sensitivity_d300": 1.0}  # no reach, no retrieval
+    assert format_gains(old).startswith("sensitivity only") and "/" not in format_gains(old)
+    text = {**fake_probe_entry(0.5), "kinds": ["text"]}
+    for c in text["cells"]:
+        c["kind"] = "text"
+    assert format_gains(text) == ("retrieval gain/sensitivity: text inside 8:+0.50/+0.50 | "
+                                  "text past 300:+0.50/+0.50")  # every kind of the entry, not only random
+    assert cell_intervals([old], "retrieval") == {} and cell_intervals([old], "sensitivity")
+    # a run re-measured on the same windows: the new entry takes the old one's place, and says so
+    lines: list[str] = []
+    new = fake_probe_entry(0.0, checkpoint_step=6)
+    assert merge_probe_entries([old], [new], log=lines.append) == [new] and "adds the matched control" in lines[0]
+    # two runs of one method, one of each: separate lines, the old one marked and without retrieval gain
+    for seed, entry in ((0, old), (1, fake_probe_entry(0.25))):
+        write_results(tmp_path / f"rope-{seed}", {**make_run(tmp_path / f"rope-{seed}", "rope", seed), "probes": [entry]})
+    groups = groups_of(discover_runs([tmp_path])[0])
+    assert sorted(groups) == ["rope", "rope (no matched control)"]
+    table = copy_markdown(groups)
+    retrieval = table.split("## Retrieval gain, random spans")[1].split("##")[0]
+    assert f"| rope (no matched control) | {NO_MATCHED} |" in retrieval and "+1.000" not in retrieval
+    assert "| rope | +0.250 ± 0.000 | +0.250 ± 0.000 |" in retrieval  # (every window gains 0.25 here)
+    assert "| rope (no matched control) | +1.000 ± 0.000 |" in table.split("## Sensitivity, random spans")[1]
+    rows = {(r.split(",")[0], r.split(",")[3]): r.split(",") for r in copy_csv(groups).splitlines()[1:]}
+    assert rows[("rope (no matched control)", "8")][4:9] == ["", "", "", "", "0"]  # no retrieval gain, 0 runs
+    assert rows[("rope (no matched control)", "8")][9] == "1.000000" and rows[("rope", "8")][4] == "0.250000"
+
+
+def test_a_stored_entry_of_the_previous_format_loads() -> None:
+    """A copy probe entry as earlier versions wrote it into results.json (a cpu_quick run in docs/)."""
+    import json
+
+    from posbench.plot_probes import copy_markdown
+    from posbench.probes import entry_reach, has_matched
+
+    stored = Path(__file__).resolve().parents[1] / "docs" / "cpu_quick" / "runs" / "rope-s0" / "results.json"
+    (entry,) = [e for e in json.loads(stored.read_text())["probes"] if e.get("extension", "none") == "none"]
+    assert not has_matched(entry) and entry["reach"]["random"] == 0  # its stored reach followed the old definition
+    assert entry_reach(entry, "random") is None and "retrieval" not in " ".join(probe_summary([entry]))
+    assert NO_MATCHED in copy_markdown({"rope": [entry]})

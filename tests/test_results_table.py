@@ -18,10 +18,12 @@ def write(tmp_path: Path) -> Path:
     bands.append("rope,3," + ",".join(["3.4,3.3,3.5", "3.5,3.4,3.6", "3.7,3.6,3.8", "0.1,0.08,0.12", "0.3,0.2,0.4", "1,1,1", "300,290,310", "343,337,349", "1024,1024,1024"]))
     bands.append("alibi,1," + ",".join(["3.3,3.2,3.4", "3.2,3.1,3.3", "3.25,3.2,3.3", "0.001,0.0,0.002", "0.001,,", "1,1,1", "512,,", "790,754,826", "1024,,"]))
     (tmp_path / "bands.csv").write_text("\n".join(bands) + "\n")
-    copy = ["group,kind,region,distance,gain,low,high,interval,runs,windows,reach",
-            "rope,random,inside,32,0.5,0.4,0.6,t,3,64,0", "rope,random,inside,64,0.4,0.3,0.5,t,3,64,0",
-            "rope,random,past,320,0.1,0.0,0.2,t,3,64,0", "rope,text,past,320,9,9,9,t,3,64,0",
-            "alibi,random,inside,32,0.2,0.1,0.3,bootstrap,1,64,0"]
+    copy = [("group,kind,region,distance,retrieval_gain,retrieval_gain_low,retrieval_gain_high,retrieval_gain_interval,"
+             "retrieval_gain_runs,sensitivity,sensitivity_low,sensitivity_high,sensitivity_interval,sensitivity_runs,"
+             "windows,reach"),
+            "rope,random,inside,32,0.5,0.4,0.6,t,3,7,7,7,t,3,64,0", "rope,random,inside,64,0.4,0.3,0.5,t,3,7,7,7,t,3,64,0",
+            "rope,random,past,320,0.1,0.0,0.2,t,3,7,7,7,t,3,64,0", "rope,text,past,320,9,9,9,t,3,7,7,7,t,3,64,0",
+            "alibi,random,inside,32,0.2,0.1,0.3,bootstrap,1,7,7,7,bootstrap,1,64,0"]
     (tmp_path / "copy.csv").write_text("\n".join(copy) + "\n")
     return tmp_path
 
@@ -30,8 +32,8 @@ def test_rows_sorted_by_the_extrapolation_band_with_half_widths_and_gaps(tmp_pat
     assert results_table.main([str(write(tmp_path)), "--distances", "320"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| method | seeds | 0-256 | 256-512 | 512-1024 | cost 256-512 | cost 512-1024 | "
-                               "effective length 1024 | copy")
-    assert lines[0].endswith("| copy gain, inside d=32 | copy gain, past d=320 |")  # the smallest inside distance
+                               "effective length 1024 | retrieval")
+    assert lines[0].endswith("| retrieval gain, inside d=32 | retrieval gain, past d=320 |")  # the smallest inside distance
     alibi, rope = lines[2], lines[3]  # alibi's 256-512 (3.2) sorts before rope's (3.5)
     assert alibi.startswith("| alibi | 1 | 3.300 ± 0.100 | 3.200 ± 0.100 |")
     assert "| +0.001 ± 0.001 | +0.001 | 790 ± 36 |" in alibi  # a cost without bounds: no half-width
@@ -54,3 +56,13 @@ def test_labels_rename_groups_and_a_wrong_one_is_one_line(tmp_path, capsys):
         assert results_table.main([folder, *wrong]) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and f"--label {wrong[1]!r} is not GROUP=SHOWN" in err and "rope, alibi" in err
+
+
+def test_a_copy_csv_without_the_matched_control_shows_no_retrieval_gain(tmp_path, capsys):
+    """An older copy.csv (its ``gain`` column: the sensitivity) is never shown as a retrieval gain."""
+    folder = write(tmp_path)
+    (folder / "copy.csv").write_text("group,kind,region,distance,gain,low,high,interval,runs,windows,reach\n"
+                                     "rope,random,inside,32,0.5,0.4,0.6,t,3,64,0\n")
+    assert results_table.main([str(folder), "--distances", "320"]) == 0
+    rope = capsys.readouterr().out.splitlines()[3]
+    assert rope.endswith("| - | - |") and "0.500" not in rope
