@@ -57,7 +57,7 @@ class RetrievalConfig:
     span: int = 16
     """k: tokens of a repeated span (repeat kinds)."""
 
-    def validate(self) -> "RetrievalConfig":
+    def validate(self) -> RetrievalConfig:
         """Raise :class:`PosbenchError` naming the fix for any bad value; return self."""
         if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not 0 <= self.rate <= 1:
             raise PosbenchError(f"data.retrieval.rate must be in [0, 1] (0 = off), got {self.rate!r}")
@@ -235,5 +235,5 @@ def make_inserter(cfg: RetrievalConfig, context: int, prepared: Any, seed: int) 
     return Inserter(cfg, context, prepared.vocab_size, [prepared.eot_id], prepared.encode, seed)
 
 
-__all__ = ["Insertion", "Inserter", "KEY_DIGITS", "KINDS", "NEEDLE", "PasskeyText", "QUESTION", "RetrievalConfig",
+__all__ = ["KEY_DIGITS", "KINDS", "NEEDLE", "QUESTION", "Inserter", "Insertion", "PasskeyText", "RetrievalConfig",
            "make_inserter", "placement", "retrieval_config"]
