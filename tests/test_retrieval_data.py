@@ -186,3 +186,12 @@ def test_the_resume_check_sees_the_option(prepared) -> None:
     assert {k: v for k, v in on.items() if k != "retrieval"} == {k: v for k, v in off.items() if k != "retrieval"}
     assert "retrieval" not in TextWorkload(prepared).record()
     assert TextWorkload(prepared, RetrievalConfig(rate=0.5)).record()["retrieval"]["rate"] == 0.5
+
+
+def test_a_task_run_refuses_the_option() -> None:
+    from conftest import compose_config
+
+    from posbench.spec import build_spec
+
+    with pytest.raises(PosbenchError, match="task=flipflop runs have none; drop data.retrieval.rate"):
+        build_spec(compose_config("train", ["task=flipflop", "data.retrieval.rate=0.5"]))
