@@ -3,7 +3,8 @@
 Written into a run's ``figures/`` (``passkey.<fmt>``; ``passkey_<extension>.<fmt>`` for a context
 extension) whenever its results.json holds ``passkey`` entries (``eval.probes=[passkey]``, see
 :mod:`posbench.passkey`). Each cell shows the exact-match accuracy (colour and first line) and
-the matched gain in nats over the control without the key (second line); the title names chance
+the matched gain in nats over the control without the key (second line) and the mean distance
+from the key to its answer (third line); the title names chance
 (1e-5) and the control's accuracy, the best the model does without reading the key. A dotted
 line separates the lengths inside the training context from those past it.
 """
@@ -32,7 +33,8 @@ def passkey_figure(entry: dict[str, Any], title: str = "") -> Figure:
             if c is None:
                 continue
             accuracy[i, j] = c["accuracy"]
-            ax.text(j, i, f"{c['accuracy']:.2f}\n{c['gain']:+.1f} nats", ha="center", va="center", fontsize=8,
+            ax.text(j, i, f"{c['accuracy']:.2f}\n{c['gain']:+.1f} nats\nd = {c['distance']:.0f}", ha="center",
+                    va="center", fontsize=7,
                     color="white" if c["accuracy"] < 0.5 else "black")
     image = ax.imshow(accuracy, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
     fig.colorbar(image, ax=ax, label="exact-match accuracy")
@@ -47,7 +49,7 @@ def passkey_figure(entry: dict[str, Any], title: str = "") -> Figure:
     extension = "" if entry.get("extension", "none") == "none" else f", extension {entry['extension']}"
     ax.set_title(f"{title}passkey accuracy ({entry['num_windows']} windows per cell{extension}; "
                  f"C = {entry['train_context']})\nchance {entry['chance']:g}; control without the key "
-                 f"{control:.2f}; second line: gain over the control", fontsize=9)
+                 f"{control:.2f}; in each cell: accuracy, gain over the control, distance key-answer", fontsize=9)
     return fig
 
 
