@@ -76,6 +76,7 @@ from posbench.figures import (
 )
 from posbench.io import write_text_atomic
 from posbench.plot_extension import plot_extensions
+from posbench.plot_passkey import plot_run_passkey
 from posbench.plot_probes import plot_probes
 from posbench.rundir import RunDir
 from posbench.stats import moving_average, pointwise_t_band
@@ -581,6 +582,7 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
         written += _position_figures({method: [run]}, out, formats, title_prefix=f"{name}: ")
         for table in task_tables([run]):  # a task run: its accuracy against length
             written += save(task_figure(table), out, f"task_{table.name}", formats)
+        written += plot_run_passkey(run.results, out, formats, title=f"{name}: ")  # eval.probes=[passkey]
     return written
 
 

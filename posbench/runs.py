@@ -17,6 +17,7 @@ from posbench.errors import PosbenchError
 from posbench.evaluate import evaluate_model
 from posbench.extension import check_names, resolve_extensions
 from posbench.model import ModelConfig, Transformer, build_model
+from posbench.passkey import run_passkey
 from posbench.plot import write_run_figures
 from posbench.probes import merge_probe_entries, run_probes
 from posbench.results import merge_eval_entries, recorded_precision, write_results
@@ -197,7 +198,8 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         extension_settings=evaluation.extension_options(),
     )
     probes = saved_run_probes(run, prepared, evaluation, device, amp_dtype, log)
-    for entry in entries + probes:
+    passkey = run_passkey(run.model, prepared, evaluation, train_context, device, amp_dtype, log)
+    for entry in entries + probes + passkey:
         entry["data"] = source
         entry["checkpoint_step"] = run.step
         entry["precision"] = precision
@@ -206,6 +208,8 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         written = {"method": run.model.method_name, "data": source, "eval": entries}
         if probes:
             written["probes"] = probes
+        if passkey:
+            written["passkey"] = passkey
         out = RunDir(run.path).write_other_eval(Path(other_path).name, written)
         log(f"wrote {out}")
         return {**written, "path": str(out)}
@@ -228,6 +232,8 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         merge_eval_entries(results, entries, replace, log, recorded=own)
         if probes:
             results["probes"] = merge_probe_entries(results.get("probes", []), probes, replace, log, recorded=own)
+        if passkey:
+            results["passkey"] = merge_probe_entries(results.get("passkey", []), passkey, replace, log, recorded=own)
         write_results(run.path, results)
         write_run_figures(run.path, log)
     log(f"updated {rundir.results_path}")

@@ -79,7 +79,7 @@ def _positive(section: str, **values: Any) -> None:
 
 
 # The zero-shot probes of eval.probes and the copy probe's span kinds (posbench/probes.py runs them).
-PROBES = ("copy",)
+PROBES = ("copy", "passkey")
 KINDS = ("random", "text")
 
 # Trainer settings that change what a run computes (the step count may grow on resume): a resume
@@ -230,6 +230,8 @@ class EvalConfig:
     repeated at distance d, scored against a control; docs/probes.md). Empty = none."""
     copy: Any = field(default_factory=dict)
     """Settings of the copy probe (eval.copy.*, see CopyConfig); a CopyConfig once validated."""
+    passkey: Any = field(default_factory=dict)
+    """Settings of the passkey evaluation (eval.passkey.*, see PasskeyConfig)."""
     rerope: Any = field(default_factory=dict)
     """Settings of the rerope extension (eval.rerope.*, see ReRoPEConfig); a ReRoPEConfig once validated."""
     self_extend: Any = field(default_factory=dict)
@@ -267,6 +269,8 @@ class EvalConfig:
             if not isinstance(self.copy, dict):
                 raise PosbenchError(f"eval.copy must be a mapping of copy probe settings, got {self.copy!r}")
             self.copy = from_section(CopyConfig, "eval.copy", self.copy)
+        if not isinstance(self.passkey, PasskeyConfig):
+            self.passkey = from_section(PasskeyConfig, "eval.passkey", _section("eval.passkey", self.passkey))
 
     def check_probe(self, train_context: int) -> None:
         """Refuse copy probe settings that cannot run at ``train_context``, before any work."""
@@ -362,3 +366,33 @@ class CopyConfig:
             raise PosbenchError(f"eval.copy.kinds must be a non-empty list of {', '.join(KINDS)}, got {self.kinds}")
         if self.split not in ("validation", "test"):
             raise PosbenchError(f"eval.copy.split must be validation or test (held-out text), got {self.split!r}")
+
+
+@dataclass
+class PasskeyConfig:
+    """The passkey evaluation (eval.passkey.*; posbench/passkey.py, docs/retrieval.md)."""
+
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
+    """Window lengths L; the question and its answer end the window."""
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """Where the key sentence starts, as a fraction of the room before the question (0: the
+    window's start, farthest from the question; 1: right before it)."""
+    num_windows: int = 32
+    """Windows per (length, depth): the same haystacks and keys in every cell and for every method."""
+    seed: int = 0
+    """Seeds the haystacks and the keys (never the model's seed)."""
+    split: str = "validation"
+    """validation or test: held-out text only."""
+
+    def validate(self) -> None:
+        s = "eval.passkey"
+        if self.num_windows < 2:
+            raise PosbenchError(f"{s}.num_windows must be at least 2 (for an interval), got {self.num_windows}")
+        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.lengths):
+            raise PosbenchError(f"{s}.lengths must be integers >= 64 (room for the key and the question), "
+                                f"got {self.lengths}")
+        if not self.depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1
+                                  for d in self.depths):
+            raise PosbenchError(f"{s}.depths must be numbers in [0, 1], got {self.depths}")
+        if self.split not in ("validation", "test"):
+            raise PosbenchError(f"{s}.split must be validation or test (held-out text), got {self.split!r}")

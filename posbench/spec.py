@@ -160,6 +160,9 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     if not saved:
         data.check_path_is_read()
     task, task_options = task_config(cfg.get("task"), trainer, evaluation)
+    if task is not None and data.retrieval.active:
+        raise PosbenchError(f"data.retrieval writes into text windows, and task={task.name} runs have none; "
+                            "drop data.retrieval.rate")
     if task is not None and seed < 0:  # the run seed is a word of the task's numpy seed
         raise PosbenchError(f"seed={seed}: a task run's seed must be >= 0 (it seeds the training sequences)")
     return RunSpec(trainer, evaluation, model, method, data, seed,

@@ -45,6 +45,7 @@ from posbench.loggers import make_progress, wandb_group
 from posbench.methods import ParameterDrift
 from posbench.model import build_model
 from posbench.optim import TrainStep, compile_model, compiles, micro_batching, total_steps
+from posbench.passkey import passkey_summary, run_passkey
 from posbench.plot import write_run_figures
 from posbench.positions import TrainingPositions
 from posbench.preemption import StopRequest
@@ -527,6 +528,10 @@ class Trainer:
                                 self.log)  # eval.probes
             if probes:
                 results["probes"] = probes
+            passkey = run_passkey(raw_model, self.workload.text, spec.eval, t.context, self.device, self.amp_dtype,
+                                  self.log)  # eval.probes=[passkey]
+            if passkey:
+                results["passkey"] = passkey
             train_tokens = self.total_steps * tokens_per_step
             results["train"] = {
                 "tokens": train_tokens, "steps": self.total_steps, "final_loss": self.loss_value,
@@ -553,7 +558,8 @@ class Trainer:
             self.run_logger.log_eval(results["eval"], t.context)
             self.run_logger.summary({"train/final_loss": self.loss_value,
                                      "train/tokens_per_second": results["train"]["tokens_per_second"],
-                                     **probe_summary(results.get("probes", [])), **self.workload.summary(results)})
+                                     **probe_summary(results.get("probes", [])), **passkey_summary(results.get("passkey", [])),
+                                     **self.workload.summary(results)})
             self.run_logger.log_figures(figures)
             self.rundir.write_status("completed", method=spec.method, seed=spec.seed)
             self.log(f"done: {self.rundir.results_path}; {self.workload.done_line(results, t.context)}")

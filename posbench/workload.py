@@ -15,6 +15,7 @@ from torch import nn
 
 from posbench.data import PreparedData, prepare_data
 from posbench.data.loader import TrainBatches
+from posbench.data.retrieval import RetrievalConfig, make_inserter
 from posbench.evaluate import evaluate_run, headline, per_position_loss, validation_sets
 from posbench.resume import data_identity
 from posbench.tasks.workload import TaskWorkload
@@ -69,9 +70,10 @@ class TextWorkload:
     """A text run: windows of a tokenized corpus (:class:`posbench.data.PreparedData`), scored by
     the loss at every position (:mod:`posbench.evaluate`)."""
 
-    def __init__(self, prepared: PreparedData) -> None:
+    def __init__(self, prepared: PreparedData, retrieval: RetrievalConfig | None = None) -> None:
         self.text = prepared
         self.data_dir = str(prepared.dir)
+        self.retrieval = retrieval or RetrievalConfig()  # data.retrieval: inserted into training windows only
 
     @property
     def vocab_size(self) -> int:
@@ -80,7 +82,8 @@ class TextWorkload:
     def train_batches(self, t: Any, seed: int, rank: int, world_size: int, device: torch.device) -> TrainBatches:
         # One pinned host buffer per step, copied without blocking (no per-token Python work).
         return TrainBatches(self.text.train_tokens(), t.context, t.batch_size, seed, rank=rank,
-                            world_size=world_size, device=device, pin_memory=device.type == "cuda")
+                            world_size=world_size, device=device, pin_memory=device.type == "cuda",
+                            insert=make_inserter(self.retrieval, t.context, self.text, seed))
 
     def micro_loss(self, loss: torch.Tensor, part: torch.Tensor, whole: torch.Tensor, accum: int) -> torch.Tensor:
         return loss  # every target counts: equal micro-batches hold equal numbers of them
@@ -99,14 +102,18 @@ class TextWorkload:
         return row
 
     def identity(self) -> dict[str, str]:
-        return data_identity(self.text)
+        # data.retrieval changes the training windows: a resume must keep it (off or its settings).
+        shown = str(sorted(self.retrieval.to_dict().items())) if self.retrieval.active else "off"
+        return {**data_identity(self.text), "retrieval": shown}
 
     def evaluate(self, model: nn.Module, spec: Any, device: torch.device, amp_dtype: torch.dtype | None,
                  log: Callable[[str], None]) -> dict[str, Any]:
         return evaluate_run(model, self.text, spec, device, amp_dtype, log)
 
     def record(self) -> dict[str, Any]:
-        return {"dir": str(self.text.dir), "meta": self.text.meta}
+        if not self.retrieval.active:
+            return {"dir": str(self.text.dir), "meta": self.text.meta}
+        return {"dir": str(self.text.dir), "meta": self.text.meta, "retrieval": self.retrieval.to_dict()}
 
     def summary(self, results: dict[str, Any]) -> dict[str, float]:
         return {}
@@ -121,7 +128,7 @@ def make_workload(spec: Any, log: Callable[[str], None]) -> Workload:
     ``task=<name>`` (no token cache), else the prepared text of ``data``."""
     if spec.task:
         return TaskWorkload(spec.task, spec.task_options)
-    return TextWorkload(prepare_data(spec.data, log=log))
+    return TextWorkload(prepare_data(spec.data, log=log), spec.data.retrieval)
 
 
 __all__ = ["TextWorkload", "Workload", "make_workload"]

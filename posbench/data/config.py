@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from posbench.data.retrieval import retrieval_config
 from posbench.errors import PosbenchError
 
 SOURCES = ("hub", "local", "sample", "synthetic")
@@ -97,6 +98,11 @@ class DataConfig:
     verify: bool = False
     """Check the sha256 of the token files when opening a cache (sizes are always checked)."""
 
+    retrieval: Any = field(default_factory=dict)
+    """Retrievable content (repeated spans, passkeys) inserted into training windows
+    (``data.retrieval.*``, :class:`posbench.data.retrieval.RetrievalConfig`, docs/retrieval.md);
+    a RetrievalConfig once validated. Never part of the token cache: the cache stays plain."""
+
     @classmethod
     def from_dict(cls, values: dict[str, Any] | Any) -> "DataConfig":
         """Build from a dict or DictConfig, rejecting unknown keys with the list of valid ones."""
@@ -152,6 +158,7 @@ class DataConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise PosbenchError(f"data.{name}={value!r} must be a positive integer")
+        self.retrieval = retrieval_config(self.retrieval)
         if not self.tokenizer:
             raise PosbenchError("data.tokenizer is empty; use bpe or a tokenizer name/path")
         if self.tokenizer == "bpe" and not 258 <= int(self.bpe_vocab_size) <= 2**32 - 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -19,11 +21,15 @@ class TrainBatches:
     ``s*batch_size ... s*batch_size + batch_size - 1``, and rank ``r`` of ``world_size`` takes
     rows ``r::world_size`` of it. A batch is thus a pure function of ``(seed, step)``: resuming
     needs no RNG state and N processes together see the same global batch as one process.
+
+    ``insert`` (optional, e.g. :class:`posbench.data.retrieval.Inserter`) is called with the
+    int64 rows ``(B, context + 1)`` and their global sample indices before they become
+    tensors, and may write into the rows; without it the rows are the stream's tokens.
     """
 
     def __init__(self, tokens: np.ndarray, context: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, device: str | torch.device | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, insert: Callable[[np.ndarray, np.ndarray], None] | None = None):
         if context < 1 or batch_size < 1:
             raise PosbenchError(f"context={context} and batch_size={batch_size} must be positive")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -40,7 +46,7 @@ class TrainBatches:
                 "lower the training context or use more training data"
             )
         self.tokens, self.context, self.batch_size, self.seed = tokens, context, batch_size, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.insert = rank, world_size, insert
         self.device = torch.device(device) if device is not None else None
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._offsets = np.arange(context + 1, dtype=np.int64)
@@ -65,11 +71,15 @@ class TrainBatches:
             self._perms[epoch] = rng.permutation(self.num_windows)
         return self._perms[epoch]
 
-    def windows(self, step: int) -> np.ndarray:
-        """Window indices of this rank's rows at global ``step``."""
+    def samples(self, step: int) -> np.ndarray:
+        """Global sample indices of this rank's rows at global ``step``."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        samples = step * self.batch_size + np.arange(self.rank, self.batch_size, self.world_size, dtype=np.int64)
+        return step * self.batch_size + np.arange(self.rank, self.batch_size, self.world_size, dtype=np.int64)
+
+    def windows(self, step: int) -> np.ndarray:
+        """Window indices of this rank's rows at global ``step``."""
+        samples = self.samples(step)
         epochs, positions = np.divmod(samples, self.num_windows)
         out = np.empty(len(samples), dtype=np.int64)
         for epoch in np.unique(epochs):  # at most two epochs per batch (unless tiny data)
@@ -81,7 +91,10 @@ class TrainBatches:
         """``(x, y)`` int64 tensors ``[batch_size // world_size, context]`` for global ``step``;
         ``y`` is ``x`` shifted by one token."""
         starts = self.windows(step) * self.context
-        rows = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
+        rows = self.tokens[starts[:, None] + self._offsets].astype(np.int64)  # (B, context + 1), a copy
+        if self.insert is not None:
+            self.insert(rows, self.samples(step))
+        rows = torch.from_numpy(rows)
         if self.device is not None and self.device.type != "cpu":
             if self.pin_memory:
                 rows = rows.pin_memory()
