@@ -208,6 +208,20 @@ def shell_completion(argv: list[str]) -> None:
     hydra.main(config_path=CONFIG_PATH, config_name=command, version_base="1.3")(lambda cfg: None)()
 
 
+def run_script(name: str, main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> None:
+    """Run a script the docs tell users to run (``scripts/results_table.py`` ...) under the CLI's
+    contract: a :class:`PosbenchError` is one line ``<name>: error: ...`` and exit 2 (a traceback
+    with ``POSBENCH_DEBUG=1``); otherwise the exit status is ``main``'s."""
+    try:
+        code = main(list(sys.argv[1:] if argv is None else argv))
+    except PosbenchError as err:
+        if os.environ.get("POSBENCH_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"{name}: error: {err}", file=sys.stderr)
+        code = 2
+    raise SystemExit(code or 0)
+
+
 def _register_launcher() -> None:
     """Make posbench's joblib launcher known to Hydra. Hydra finds plugins by walking the
     ``hydra_plugins`` folders on disk, which misses it in an editable install; registering the
