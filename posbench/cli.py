@@ -81,6 +81,8 @@ def _viz(cfg: DictConfig) -> Any:
 def _bench(cfg: DictConfig) -> Any:
     from posbench.bench import run_bench
 
+    if cfg.get("out"):
+        check_output_dir(cfg.out, "out")
     return run_bench(cfg)
 
 
