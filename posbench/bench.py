@@ -54,6 +54,14 @@ FLOPs and MFU (the PaLM paper's appendix B convention, also nanoGPT's ``estimate
   TFLOP/s of 1024 x 1024 matmuls over half a second, in the run's precision (bf16 under bf16
   autocast, else fp32) with torch's thread count (:func:`posbench.hardware.cpu_matmul_peak_tflops`).
 
+Contention. A speed measured while other work shares the machine is not the method's speed.
+Every timed block (a method's or the peer's training steps, each eval length) records the
+1-minute load average before and after it (``os.getloadavg``), the machine's core count, the
+p10/p50/p90 of its step times and their spread p90/p10, and is flagged ``contended`` (with the
+reason) when the spread exceeds :data:`CONTENDED_SPREAD` or the load average exceeds the core
+count. The CPU's measured peak (MFU) records its load average the same way. ``bench.md`` marks
+contended rows and ratios instead of printing them as clean numbers.
+
 Outputs in the output folder (``out=`` or the Hydra run dir ``outputs/bench/<date>_<time>``):
 ``bench.json`` (every number and the config; rewritten after each method, so an interrupted run
 keeps what it measured) and ``bench.md`` (the table, also printed to stdout).
@@ -64,6 +72,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import platform
 import re
 import shlex
@@ -113,6 +122,10 @@ FLOP_FORMULA = (
     "L = layers, T = training context, d = d_model; attention QK^T and AV not halved for "
     "causality; position-method FLOPs not counted"
 )
+
+# A timed block whose step times spread wider than this (p90 / p10) is flagged contended: on a
+# machine to itself, steps of one shape repeat within a few percent (CUDA) or ~10-20 % (CPU).
+CONTENDED_SPREAD = 1.5
 
 _KNOWN_KEYS = {
     "methods", "batch_size", "context", "warmup_steps", "steps", "eval_lengths", "eval_batch_size",
@@ -310,6 +323,42 @@ def spread(values: list[float], prefix: str) -> dict[str, float]:
     }
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (OSError, AttributeError):
+        return None
+
+
+def cpu_cores() -> int:
+    return os.cpu_count() or 1
+
+
+def overloaded(loads: list[float | None], cores: int) -> float | None:
+    """The highest of ``loads`` when it exceeds ``cores``, else None."""
+    known = [x for x in loads if x is not None]
+    return max(known) if known and max(known) > cores else None
+
+
+def contention(step_ms: list[float], load_before: float | None, load_after: float | None,
+               cores: int | None = None) -> dict[str, Any]:
+    """Load average around a timed block, the p10/p50/p90 of its step times, and whether it was
+    contended (spread p90/p10 above :data:`CONTENDED_SPREAD`, or load above the core count)."""
+    cores = cores or cpu_cores()
+    p10, p50, p90 = (float(v) for v in np.percentile(np.asarray(step_ms, dtype=np.float64), [10, 50, 90]))
+    ratio = p90 / p10 if p10 > 0 else math.inf
+    reasons = []
+    if ratio > CONTENDED_SPREAD:
+        reasons.append(f"step-time spread p90/p10 {ratio:.2f} > {CONTENDED_SPREAD}")
+    load = overloaded([load_before, load_after], cores)
+    if load is not None:
+        reasons.append(f"load average {load:.1f} > {cores} cores")
+    return {"load_average_before": load_before, "load_average_after": load_after, "cpu_cores": cores,
+            "ms_p10": p10, "ms_p50": p50, "ms_p90": p90, "spread_p90_p10": ratio,
+            "contended": bool(reasons), "contention": "; ".join(reasons) or None}
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -418,7 +467,9 @@ def time_training(env: Env, model: nn.Module, loss_of: Callable[[Tensor, Tensor]
     synchronize(env.device)
     warmup_seconds = time.perf_counter() - warm_start
     reset_peak_memory(env.device)
+    load_before = load_average()
     step_ms, wall, last_loss = time_steps(step, s.steps, env.device, offset=s.warmup_steps)
+    load = contention(step_ms, load_before, load_average())
     memory = peak_memory(env.device)
     final_loss = float(last_loss)
     if not math.isfinite(final_loss):
@@ -442,6 +493,7 @@ def time_training(env: Env, model: nn.Module, loss_of: Callable[[Tensor, Tensor]
         warmup_seconds=warmup_seconds,
         final_loss=final_loss,
         step_ms_all=step_ms,
+        load=load,
     )
     return stats
 
@@ -461,11 +513,13 @@ def time_eval_length(env: Env, model: nn.Module, length: int) -> dict[str, Any]:
     for i in range(warmup):
         call(i)
     ms: list[float] = []
+    load_before = load_average()
     for i in range(s.eval_steps):
         synchronize(env.device)
         t0 = time.perf_counter()
         losses = call(i)  # ends with a device-to-host copy of the result: synchronised
         ms.append((time.perf_counter() - t0) * 1e3)
+    load = contention(ms, load_before, load_average())
     if not bool(torch.isfinite(losses).all()):
         raise RuntimeError(f"evaluation loss at length {length} is not finite")
     tokens = s.eval_batch_size * length
@@ -475,6 +529,7 @@ def time_eval_length(env: Env, model: nn.Module, length: int) -> dict[str, Any]:
         "tokens_per_batch": tokens,
         **peak_memory(env.device),
         "mean_loss": float(losses.mean()),
+        "load": load,
     }
 
 
@@ -613,6 +668,41 @@ def _cell_eval(entry: Any) -> str:
     return str(entry).split(":")[0] if entry is not None else "-"
 
 
+def _contended(entry: Any) -> bool:
+    """A timed block (training or one eval length) flagged contended."""
+    return isinstance(entry, dict) and bool((entry.get("load") or {}).get("contended"))
+
+
+def _contention_cell(train: dict[str, Any]) -> str:
+    load = train.get("load") or {}
+    if not load.get("contended"):
+        return "-" if load else "not recorded"
+    parts = []
+    if load["spread_p90_p10"] > CONTENDED_SPREAD:
+        parts.append(f"spread {load['spread_p90_p10']:.2f}")
+    busiest = overloaded([load["load_average_before"], load["load_average_after"]], load["cpu_cores"])
+    if busiest is not None:
+        parts.append(f"load {busiest:.1f}")
+    return ", ".join(parts)
+
+
+def _load_lines(report: dict[str, Any], blocks: list[Any]) -> list[str]:
+    """The machine's load average and, when any timed block was contended, the warning."""
+    load = report.get("load_average")
+    if not load:
+        return []
+    shown = [f"{x:.1f}" if x is not None else "?" for x in (load["start"], load["end"])]
+    lines = [f"load average {shown[0]} at the start, {shown[1]} at the end, on {load['cpu_cores']} cores", ""]
+    contended = sum(_contended(b) for b in blocks)
+    if contended:
+        warning = (f"**contended: {contended} of {len(blocks)} timed blocks ran on a busy machine (step-time "
+                   f"spread p90/p10 > {load['contended_spread']}, or load average > {load['cpu_cores']} cores); "
+                   "their times, MFU and ratios (marked `*`) are not clean measurements: rerun them on an idle "
+                   "machine**")
+        lines += [warning, ""]
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """bench.json -> the Markdown table (one row per method) with the peer line and notes."""
     cfg, model = report["config"], report["model"]
@@ -634,7 +724,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     if not report.get("complete", True):
         lines += ["**incomplete: the run is still going or was interrupted**", ""]
-    header = ["method", "attention", "step ms (p10-p90)", "train tok/s", f"% of {twin}", "MFU", "peak mem GiB"]
+    peer_train = (report.get("peer") or {}).get("train")
+    blocks = [b for entry in report["methods"].values()
+              for b in [entry.get("train", {}), *entry.get("eval", {}).values()] if isinstance(b, dict) and "load" in b]
+    lines += _load_lines(report, blocks + ([peer_train] if peer_train else []))
+    twin_contended = _contended(report["methods"].get(twin, {}).get("train"))
+    header = ["method", "attention", "step ms (p10-p90)", "train tok/s", f"% of {twin}", "MFU", "peak mem GiB",
+              "contention"]
     header += [f"eval tok/s @{n}" for n in lengths]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---", "---"] + ["---:"] * (len(header) - 2)) + "|")
@@ -642,19 +738,21 @@ def render_markdown(report: dict[str, Any]) -> str:
         train = entry.get("train", {})
         backend = train.get("attention_backend", "-")
         if "error" in train:
-            cells = [name, backend, train["error"].split(":")[0], "-", "-", "-", "-"]
+            cells = [name, backend, train["error"].split(":")[0], "-", "-", "-", "-", "-"]
         else:
             tps = train["tokens_per_second_median"]
+            star = "*" if _contended(train) else ""
             cells = [
                 name, backend,
-                f"{train['step_ms_median']:.2f} ({train['step_ms_p10']:.2f}-{train['step_ms_p90']:.2f})",
-                _fmt_int(tps),
-                f"{100 * tps / twin_tps:.0f}%" if twin_tps else "-",
-                f"{100 * train['mfu']:.1f}%" if train.get("mfu") is not None else "-",
+                f"{train['step_ms_median']:.2f} ({train['step_ms_p10']:.2f}-{train['step_ms_p90']:.2f}){star}",
+                _fmt_int(tps) + star,
+                f"{100 * tps / twin_tps:.0f}%" + ("*" if star or twin_contended else "") if twin_tps else "-",
+                f"{100 * train['mfu']:.1f}%{star}" if train.get("mfu") is not None else "-",
                 f"{train['peak_memory_gb']:.2f}" if train.get("peak_memory_gb") is not None else "-",
+                _contention_cell(train),
             ]
         evals = entry.get("eval", {})
-        cells += [_cell_eval(evals.get(str(n))) for n in lengths]
+        cells += [_cell_eval(evals.get(str(n))) + ("*" if _contended(evals.get(str(n))) else "") for n in lengths]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     peer = report.get("peer")
@@ -672,6 +770,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{pt['step_ms_median']:.2f} ms/step, {_fmt_int(pt['tokens_per_second_median'])} tok/s{mfu}; "
             + (f"posbench {twin} / peer tokens/s = {ratio:.2f}" if ratio is not None
                else f"no ratio ({twin} not benchmarked)")
+            + (" (* contended: not a clean measurement)" if ratio is not None and (_contended(pt) or twin_contended)
+               else "")
         )
     flops = report["flops"]
     peak = flops["peak_tflops"]
@@ -681,6 +781,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"so {flops['train_flops_per_token'] / 1e6:,.1f} MFLOP per training token. "
         f"MFU = FLOPs/token x median tok/s / peak ("
         + (f"{peak:.4g} TFLOP/s, {flops['peak_source']})." if peak else f"none: {flops['peak_source']}; MFU omitted).")
+        + (" The peak was measured under load average "
+           f"{max(x for x in flops['peak_load_average'] if x is not None):.1f} on {report['load_average']['cpu_cores']} "
+           "cores, so it and every MFU are not clean measurements." if flops.get("peak_contended") else "")
         + " Peak memory: CUDA max_memory_allocated over the timed steps (not measured on the CPU)."
         f" Eval: posbench's evaluation path (per_position_loss, uncompiled model), batch {cfg['eval_batch_size']},"
         f" median of {cfg['eval_steps']} calls per length.",
@@ -734,7 +837,9 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
                             compile=settings.compile, device=settings.device, progress=False)
     use_compile = settings.compile == "true" or (settings.compile == "auto" and device.type == "cuda")
     amp_dtype = autocast_dtype(settings.precision, device)
+    load_start = load_average()
     peak, peak_source = resolve_peak_tflops(settings.peak_tflops, device, amp_dtype)
+    peak_load = [load_start, load_average()]  # around the CPU's peak measurement
     env = Env(settings, model_cfg, trainer, device, amp_dtype, use_compile, peak)
     out = output_dir(settings)
     out.mkdir(parents=True, exist_ok=True)
@@ -765,7 +870,11 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
                                                            model_cfg.d_model),
             "peak_tflops": peak,
             "peak_source": peak_source,
+            "peak_load_average": peak_load,
+            "peak_contended": peak_source.startswith("measured") and overloaded(peak_load, cpu_cores()) is not None,
         },
+        "load_average": {"start": load_start, "end": None, "cpu_cores": cpu_cores(),
+                         "contended_spread": CONTENDED_SPREAD},
         "methods": {},
         "peer": None,
         "peer_ratio": None,
@@ -814,6 +923,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     if settings.peer and report["peer"] is None:
         measure_peer()
     report["complete"] = True
+    report["load_average"]["end"] = load_average()
     text = write()
     print(text, flush=True)
     logger.info("wrote %s and %s", out / "bench.json", out / "bench.md")

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from posbench.config import check_top_level_keys, config_dir
+from posbench.config import check_command_line, check_top_level_keys, config_dir
 from posbench.errors import PosbenchError
 from posbench.io import check_output_dir
 
@@ -81,6 +81,8 @@ def _viz(cfg: DictConfig) -> Any:
 def _bench(cfg: DictConfig) -> Any:
     from posbench.bench import run_bench
 
+    if cfg.get("out"):
+        check_output_dir(cfg.out, "out")
     return run_bench(cfg)
 
 
@@ -156,6 +158,34 @@ def _task(command: str) -> Callable[[DictConfig], Any]:
     return task
 
 
+def _checked_command_line(command: str, args: list[str]) -> list[str]:
+    """The overrides checked before Hydra composes them (:func:`posbench.config.check_command_line`):
+    a bad one is one line and exit 2, with nothing written; the arguments to hand to Hydra."""
+    try:
+        args, configs = check_command_line(command, args)
+        for cfg in configs:
+            _check_data_path(command, cfg)
+    except PosbenchError as err:
+        if "debug=true" in args or os.environ.get("POSBENCH_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"posbench {command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return args
+
+
+def _check_data_path(command: str, cfg: DictConfig) -> None:
+    """The text files a new run would read exist (checked again where they are read; here so
+    that a wrong data.path leaves no run directory)."""
+    if command not in ("train", "prepare") or cfg.get("task") is not None or "data" not in cfg:
+        return
+    from posbench.data.sources import resolve_source
+    from posbench.spec import data_config
+
+    data = data_config(cfg.data).check_path_is_read()
+    if data.source == "local" and data.path_list():
+        resolve_source(data)
+
+
 def shell_completion(argv: list[str]) -> None:
     """``posbench --shell-completion install=bash`` and the queries the installed script makes.
 
@@ -178,6 +208,20 @@ def shell_completion(argv: list[str]) -> None:
     os.environ["COMP_LINE"] = os.environ["COMP_LINE"].replace(command, "", 1)
     sys.argv = ["posbench", *argv]
     hydra.main(config_path=CONFIG_PATH, config_name=command, version_base="1.3")(lambda cfg: None)()
+
+
+def run_script(name: str, main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> None:
+    """Run a script the docs tell users to run (``scripts/results_table.py`` ...) under the CLI's
+    contract: a :class:`PosbenchError` is one line ``<name>: error: ...`` and exit 2 (a traceback
+    with ``POSBENCH_DEBUG=1``); otherwise the exit status is ``main``'s."""
+    try:
+        code = main(list(sys.argv[1:] if argv is None else argv))
+    except PosbenchError as err:
+        if os.environ.get("POSBENCH_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"{name}: error: {err}", file=sys.stderr)
+        code = 2
+    raise SystemExit(code or 0)
 
 
 def _register_launcher() -> None:
@@ -213,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     # configs/hydra/launcher/joblib.yaml shadows the joblib plugin's schema on purpose (posbench's
     # launcher, same keys); Hydra would warn about that on every joblib sweep.
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
+    args = _checked_command_line(command, argv[1:])
     # Hydra reads sys.argv; hide the subcommand from it and name the app after it.
-    sys.argv = [f"posbench {command}", *argv[1:]]
+    sys.argv = [f"posbench {command}", *args]
     app = hydra.main(config_path=CONFIG_PATH, config_name=command, version_base="1.3")(_task(command))
     app()
     from posbench.sweep import empty_globs_of_last_sweep, failed_jobs_of_last_sweep

@@ -548,10 +548,23 @@ def viz_method(cfg: DictConfig, s: VizSettings, log: Log) -> list[Path]:
     return written
 
 
-def _held_out_windows(run: Any, length: int, s: VizSettings, log: Log) -> Tensor:
+def _held_out_windows(run: Any, length: int, s: VizSettings, log: Log) -> tuple[Tensor, str]:
+    """(N, L) held-out inputs and what they are: a text run's windows of its own validation (or
+    test) text; a task run's (``task=flipflop``) held-out sequences of its task, which has no text."""
+    task_section = run.config.get("task")
+    if task_section is not None:
+        from posbench.tasks.base import TEST, VALID, make_task
+
+        if s.split not in ("validation", "test"):
+            raise PosbenchError(f"attention.split={s.split} is not held out; a task run's held-out sequences are "
+                                "attention.split=validation or attention.split=test")
+        task = make_task(task_section, int(run.config.trainer.context))
+        task.check_length(length)
+        inputs, _ = task.sequences(VALID if s.split == "validation" else TEST, length, s.num_sequences).inputs_targets()
+        return inputs, f"{len(inputs)} held-out {task.name} sequences ({s.split}) of {length} tokens"
     prepared = run_data(run, log)  # the run's own tokens and tokenizer (checksum verified), as posbench eval
     windows = eval_sequences(prepared.tokens(s.split), length, s.num_sequences, split=s.split)
-    return windows[:, :length]  # (N, L): the inputs; the extra target token is not needed
+    return windows[:, :length], f"{len(windows)} held-out windows of {length} tokens"  # (N, L): no target token
 
 
 def record_attention(model: Any, tokens: Tensor, map_layers: Sequence[int]) -> AttentionRecord:
@@ -596,9 +609,8 @@ def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
     length = s.length_factor * context
     if method.max_positions is not None and length > method.max_positions:
         raise PosbenchError(f"{name} has positions up to {method.max_positions}; lower attention.length_factor")
-    tokens = _held_out_windows(run, length, s, log)
+    tokens, where = _held_out_windows(run, length, s, log)
     record = record_attention(model, tokens, s.map_layers)
-    where = f"{len(tokens)} held-out windows of {length} tokens"
     for layer, stats in enumerate(record.layers):
         if stats.maps is not None:
             written += save(attention_maps_figure(stats.maps, context, f"{label}: attention, layer {layer}, "

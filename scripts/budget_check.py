@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
-import sys
 from pathlib import Path
+
+from posbench.cli import run_script
+from posbench.errors import PosbenchError
 
 
 def read_bands(path: Path) -> dict[str, dict[str, str]]:
@@ -35,7 +37,12 @@ def kendall_tau(first: list[str], second: list[str]) -> float:
 
 
 def interval(row: dict[str, str], band: str) -> tuple[float, float, float]:
-    return float(row[f"{band}_mean"]), float(row[f"{band}_low"]), float(row[f"{band}_high"])
+    try:
+        return float(row[f"{band}_mean"]), float(row[f"{band}_low"]), float(row[f"{band}_high"])
+    except (KeyError, TypeError, ValueError):
+        cells = {k: row.get(f"{band}_{k}") for k in ("mean", "low", "high")}
+        raise PosbenchError(f"the {band} interval of {row.get('label')!r} is not three numbers ({cells}); "
+                            "give bands.csv files written by posbench plot") from None
 
 
 def overlap(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
@@ -80,15 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--labels takes two comma-separated names")
     try:
         short, long = read_bands(args.short), read_bands(args.long)
-    except (OSError, KeyError, csv.Error) as err:
-        print(f"budget_check: cannot read bands.csv ({err}); give two files written by posbench plot", file=sys.stderr)
-        return 2
+    except (OSError, KeyError, csv.Error, UnicodeDecodeError) as err:
+        raise PosbenchError(f"cannot read bands.csv ({err}); give two files written by posbench plot") from None
     only = sorted(set(short) ^ set(long))
     out = []
     for band in args.bands.split(","):
         if not any(f"{band}_mean" in row for row in short.values()):
-            print(f"budget_check: band {band} is not in {args.short}", file=sys.stderr)
-            return 2
+            raise PosbenchError(f"band {band} is not in {args.short}; name bands it has with --bands")
         out += band_report(short, long, band, labels)  # type: ignore[arg-type]
     if only:
         out.append(f"In one file only (left out): {', '.join(only)}")
@@ -97,4 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script("budget_check", main)

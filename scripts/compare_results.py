@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, Iterator
+
+from posbench.cli import run_script
+from posbench.errors import PosbenchError
 
 SKIP = {"created", "versions", "resumed_from_step"}
 
@@ -47,16 +49,37 @@ def walk(a: Any, b: Any, path: str = "") -> Iterator[tuple[str, Any, Any, bool]]
 def load(path: str) -> dict[str, Any]:
     """results.json, plus the rows of metrics.jsonl when ``path`` is a run directory."""
     p = Path(path)
-    record = {"results": json.loads((p / "results.json" if p.is_dir() else p).read_text())}
+    record = {"results": read_json(p / "results.json" if p.is_dir() else p)}
     if p.is_dir() and (p / "metrics.jsonl").is_file():
-        record["metrics"] = [json.loads(line) for line in (p / "metrics.jsonl").read_text().splitlines() if line]
+        record["metrics"] = [read_json(p / "metrics.jsonl", line) for line in read_text(p / "metrics.jsonl").splitlines()
+                             if line]
     return record
 
 
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = "does not exist" if isinstance(err, FileNotFoundError) else f"cannot be read ({err})"
+        raise PosbenchError(f"{path} {reason}; give results.json files or run directories made by posbench train") from None
+
+
+def read_json(path: Path, text: str | None = None) -> Any:
+    """``text`` (else the file's) as JSON; one line naming the file when it is not."""
+    try:
+        return json.loads(read_text(path) if text is None else text)
+    except json.JSONDecodeError as err:
+        raise PosbenchError(f"{path} is not valid JSON ({err}); it was cut short or edited: compare another "
+                            "copy, or re-run posbench eval on its run to write it again") from None
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or len(argv) % 2:
+    if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
-        return 2
+        return 0
+    if len(argv) < 2 or len(argv) % 2:
+        raise PosbenchError(f"give pairs of results.json files or run directories (got {len(argv)} argument(s)): "
+                            "python scripts/compare_results.py <before> <after> [<before> <after> ...]")
     failed = False
     for before, after in zip(argv[::2], argv[1::2]):
         leaves = list(walk(load(before), load(after)))
@@ -70,4 +93,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    run_script("compare_results", main)

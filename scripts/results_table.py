@@ -21,11 +21,16 @@ import csv
 import sys
 from pathlib import Path
 
+from posbench.cli import run_script
+from posbench.errors import PosbenchError
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="") as handle:
-        return list(csv.DictReader(handle))
+    try:
+        with path.open(newline="") as handle:
+            return list(csv.DictReader(handle))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise PosbenchError(f"cannot read {path} ({err}); make it again with posbench plot") from None
 
 
 def shown(mean: str, low: str, high: str, signed: bool = False, digits: int = 3) -> str:
@@ -94,8 +99,14 @@ def main(argv: list[str] | None = None) -> int:
               f"posbench plot 'runs=[...]' out={args.comparison} (runs trained with eval.probes=[copy])",
               file=sys.stderr)
         return 2
-    distances = [int(d) for d in args.distances.split(",") if d]
+    try:
+        distances = [int(d) for d in args.distances.split(",") if d]
+    except ValueError:
+        raise PosbenchError(f"--distances {args.distances!r} is not comma-separated integers, e.g. --distances 32,320") from None
     bands = read_csv(args.comparison / "bands.csv")
+    if not bands:
+        raise PosbenchError(f"{args.comparison / 'bands.csv'} has no rows (no finished run was plotted); "
+                            f"plot finished runs: posbench plot 'runs=[...]' out={args.comparison}")
     groups = sorted((row["label"] for row in bands), key=len, reverse=True)  # labels may hold "=" themselves
     labels = {}
     for item in args.label:
@@ -105,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.comparison / 'bands.csv'}: {', '.join(row['label'] for row in bands)}", file=sys.stderr)
             return 2
         labels[group] = item[len(group) + 1:]
-    print(table(bands, read_csv(args.comparison / "copy.csv"), distances, args.kind, labels))
+    try:
+        print(table(bands, read_csv(args.comparison / "copy.csv"), distances, args.kind, labels))
+    except (ValueError, KeyError) as err:
+        raise PosbenchError(f"{args.comparison} holds a bands.csv or copy.csv that posbench plot did not write "
+                            f"({type(err).__name__}: {err}); make them again with posbench plot") from None
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script("results_table", main)

@@ -97,7 +97,8 @@ def test_bench_markdown(rope_alibi_run, capsys):
     assert rows[0].startswith("| method | attention |") and "% of rope" in rows[0]
     assert "eval tok/s @64" in rows[0] and "eval tok/s @128" in rows[0]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["rope", "alibi"]
-    assert "| 100% |" in rows[1]
+    star = "*" if report["methods"]["rope"]["train"]["load"]["contended"] else ""  # a busy machine is marked
+    assert f"| 100%{star} |" in rows[1]
     assert f"posbench rope / peer tokens/s = {report['peer_ratio']:.2f}" in text
     assert "6*N + 12*L*T*d" in text
 
@@ -275,3 +276,70 @@ def test_bench_on_cuda(tmp_path):
             assert finite_positive(ev["tokens_per_second_median"]) and finite_positive(ev["peak_memory_gb"])
     assert "skipped" not in report["peer"], report["peer"]
     assert finite_positive(report["peer_ratio"])
+
+
+def test_cli_out_naming_a_file_is_one_line(tmp_path):
+    """`out=<an existing file>` was a FileExistsError traceback; now one line, exit 2, as viz
+    and plot, with the file untouched."""
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    proc = run_cli(tmp_path, "model=tiny", "methods=[nope]", f"out={target}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"posbench bench: error: out={target} names an existing file, not a folder; choose another out"
+    assert target.read_text() == "mine"
+
+
+def test_contention_flags_a_wide_spread_or_a_load_above_the_cores():
+    clean = bench.contention([10.0, 10.2, 10.1, 10.4, 10.3], 0.5, 0.7, cores=4)
+    assert clean["contended"] is False and clean["contention"] is None
+    assert clean["ms_p50"] == pytest.approx(10.2) and clean["ms_p10"] < clean["ms_p50"] < clean["ms_p90"]
+    assert clean["load_average_before"] == 0.5 and clean["cpu_cores"] == 4
+    wide = bench.contention([10.0, 10.0, 30.0, 31.0, 10.0], 0.5, 0.7, cores=4)
+    assert wide["contended"] and wide["contention"].startswith("step-time spread p90/p10 ")
+    assert wide["spread_p90_p10"] == pytest.approx(wide["ms_p90"] / wide["ms_p10"])
+    busy = bench.contention([10.0, 10.2, 10.1], 3.0, 14.2, cores=4)
+    assert busy["contended"] and busy["contention"] == "load average 14.2 > 4 cores"
+    assert bench.contention([10.0, 10.1], None, None, cores=4)["contended"] is False  # no load average known
+
+
+def test_bench_records_the_load_and_the_spread(rope_alibi_run):
+    """Each timed block records the load average around it and its p10/p50/p90; the report the
+    load at start and end and the core count."""
+    _, report = rope_alibi_run
+    assert report["load_average"]["cpu_cores"] == os.cpu_count()
+    assert report["load_average"]["end"] is not None and report["load_average"]["start"] is not None
+    assert report["load_average"]["contended_spread"] == bench.CONTENDED_SPREAD
+    assert len(report["flops"]["peak_load_average"]) == 2 and isinstance(report["flops"]["peak_contended"], bool)
+    for block in [report["methods"]["rope"]["train"], report["methods"]["rope"]["eval"]["64"], report["peer"]["train"]]:
+        load = block["load"]
+        assert load["ms_p10"] <= load["ms_p50"] <= load["ms_p90"]
+        assert isinstance(load["contended"], bool) and load["load_average_after"] is not None
+
+
+def test_markdown_marks_contended_numbers(rope_alibi_run):
+    """A contended block is marked, with its reason, and so is every ratio it enters; a clean
+    report has no mark."""
+    import copy
+
+    _, measured = rope_alibi_run
+    report = copy.deepcopy(measured)
+    report["load_average"].update(start=0.1, end=0.2, cpu_cores=4)
+    report["flops"]["peak_contended"] = False
+    blocks = [report["methods"][m]["train"] for m in ("rope", "alibi")] + [report["peer"]["train"]]
+    blocks += [ev for m in ("rope", "alibi") for ev in report["methods"][m]["eval"].values()]
+    for block in blocks:
+        block["load"] = bench.contention([10.0, 10.1, 10.2], 0.1, 0.2, cores=4)
+    clean = bench.render_markdown(report)
+    assert "contended" not in clean and "*" not in clean.split("| method |")[1].split("peer:")[0]
+    assert "load average 0.1 at the start, 0.2 at the end, on 4 cores" in clean
+    report["methods"]["alibi"]["train"]["load"] = bench.contention([10.0, 10.0, 30.0, 31.0], 0.1, 9.5, cores=4)
+    text = bench.render_markdown(report)
+    assert "**contended: 1 of 7 timed blocks ran on a busy machine" in text
+    rows = {r.split("|")[1].strip(): r for r in text.splitlines() if r.startswith("| ")}
+    assert "* |" not in rows["rope"] and rows["rope"].endswith("| - | " + " | ".join(
+        bench._cell_eval(report["methods"]["rope"]["eval"][str(n)]) for n in (64, 128)) + " |")
+    spread = report["methods"]["alibi"]["train"]["load"]["spread_p90_p10"]
+    assert "%* |" in rows["alibi"] and f"| spread {spread:.2f}, load 9.5 |" in rows["alibi"]
+    assert "(* contended" not in text  # rope and the peer, the ratio's two numbers, are clean
+    report["methods"]["rope"]["train"]["load"] = report["methods"]["alibi"]["train"]["load"]
+    assert "(* contended: not a clean measurement)" in bench.render_markdown(report)

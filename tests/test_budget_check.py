@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,23 @@ def test_flips_reported_with_interval_overlap(tmp_path, capsys):
     assert "In one file only (left out): x" in out
 
 
-def test_unknown_band_is_one_line(tmp_path, capsys):
-    path = write_bands(tmp_path / "s.csv", {"a": (3.0, 0.01)})
-    assert budget_check.main([str(path), str(path), "--bands", "512-1024"]) == 2
-    assert capsys.readouterr().err.strip().count("\n") == 0
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], check=False, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("band", "band 512-1024 is not in"),
+    ("not a number", "the 0-256 interval of 'a' is not three numbers ({'mean': 'abc'"),
+    ("missing", "cannot read bands.csv"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, case, message):
+    """A band the files lack, a cell that is not a number (a traceback before) and a missing file:
+    one line naming the fix, exit 2, no table printed."""
+    path = write_bands(tmp_path / "s.csv", {"a": (3.0, 0.01), "b": (3.1, 0.01)})
+    other = tmp_path / "l.csv"
+    other.write_text(path.read_text().replace("3.0,2.99", "abc,2.99") if case == "not a number" else path.read_text())
+    args = [str(path), str(other if case != "missing" else tmp_path / "none.csv")]
+    proc = run_script(*args, *(["--bands", "512-1024"] if case == "band" else []))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("budget_check: error: ") and proc.stderr.count("\n") == 1
+    assert message in proc.stderr

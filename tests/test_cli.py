@@ -49,8 +49,58 @@ def test_unknown_command_fails_with_the_list_of_commands():
 
 def test_unknown_method_fails_before_any_work(tmp_path):
     proc = posbench_cli("train", "method=yarn", f"hydra.run.dir={tmp_path / 'run'}", check=False)
-    assert proc.returncode != 0
-    assert "method/yarn" in proc.stderr and "rope" in proc.stderr
+    assert proc.returncode == 2
+    assert "unknown method 'yarn'" in proc.stderr and "rope" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "method=ropee"], "unknown method 'ropee'; did you mean method=rope?"),
+        (["train", "method=alibi", "method.base=500"],
+         "method=alibi has no option 'base'; its options: name; method.base is an option of method="),
+        (["train", "task=copy", "task.num_symbol=8"], "did you mean task.num_symbols?"),
+        (["train", "task.num_symbols=8"], "no task is chosen; add task=<name> (the options with task.num_symbols: copy)"),
+        (["train", "trainer.lrr=1"], "trainer has no key 'lrr'; did you mean trainer.lr?"),
+        (["train", "seed=0,1"], "seed=0,1 lists several values, which only a sweep runs; add -m"),
+        (["train", "-m", "task=flipflop,copy", "task.num_symbols=8"],
+         "task=flipflop has no option 'num_symbols'"),
+        (["train", *QUICK_TRAIN, "data=local", "data.path=/no/such/dir"], "data.path /no/such/dir does not exist"),
+        (["eval", "run=outputs/x", "task=flipflop"],
+         "posbench eval takes the run's own task (from its config.yaml), and a text run has none"),
+        (["viz", "task=copy"], "posbench viz does not read task= (it reads method, model)"),
+        (["train", "eval.lengths=[1,2"], "Error parsing override 'eval.lengths=[1,2'"),
+    ],
+)
+def test_config_errors_are_one_posbench_line_with_the_fix(tmp_path, args, message):
+    """Hydra's own block (exit 1, a `+key` hint that fails again) becomes posbench's one line,
+    exit 2, with a close match where there is one; nothing is written (not even a run folder
+    for a data.path that does not exist)."""
+    command, *rest = args
+    proc = posbench_cli(command, *rest, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                        check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # exactly one line
+    assert proc.stderr.startswith(f"posbench {command}: error: ") and message in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plain_key_of_a_swept_group_works_in_a_sweep(tmp_path):
+    """`-m task=flipflop,copy task.seed=3`: Hydra composes the sweep's own config without the
+    swept task, so the plain key failed there (and its `+task.seed` hint failed again); every job
+    has the key, so it is handed to Hydra as ++task.seed=3 and each job gets it."""
+    from posbench.config import check_command_line
+
+    args, jobs = check_command_line("train", ["-m", "task=flipflop,copy", "task.seed=3", "seed=0,1"])
+    assert args == ["-m", "task=flipflop,copy", "++task.seed=3", "seed=0,1"]
+    assert [(job.task.name, job.task.seed) for job in jobs] == [("flipflop", 3), ("copy", 3)]
+    assert check_command_line("train", ["-m", "task=copy", "task.seed=3", "seed=0,1"])[0][2] == "task.seed=3"
+    posbench_cli("train", "-m", "task=flipflop,copy", "task.seed=3", "model=tiny", "logger=none",
+                 "trainer.max_steps=1", "trainer.val_every=0", "eval.lengths=[64,128]", "eval.num_sequences=4",
+                 f"hydra.sweep.dir={tmp_path}", "hydra/launcher=basic")
+    configs = sorted(tmp_path.glob("*/config.yaml"))
+    assert len(configs) == 2 and all("seed: 3" in c.read_text().split("task:")[1] for c in configs)
 
 
 @pytest.mark.parametrize(

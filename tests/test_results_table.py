@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "results_table.py"
 spec = importlib.util.spec_from_file_location("results_table", SCRIPT)
@@ -66,3 +70,27 @@ def test_a_copy_csv_without_the_matched_control_shows_no_retrieval_gain(tmp_path
     assert results_table.main([str(folder), "--distances", "320"]) == 0
     rope = capsys.readouterr().out.splitlines()[3]
     assert rope.endswith("| - | - |") and "0.500" not in rope
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], check=False, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["header only", "empty files", "not a number"])
+def test_empty_or_corrupt_csvs_are_one_line_and_exit_2(tmp_path, case):
+    """bands.csv without rows (a plot of no finished run) printed a header-only table with exit
+    0; a cell that is not a number was a traceback. Now one line naming the fix, exit 2."""
+    write(tmp_path)
+    bands = tmp_path / "bands.csv"
+    if case == "header only":
+        bands.write_text(bands.read_text().splitlines()[0] + "\n")
+        (tmp_path / "copy.csv").write_text((tmp_path / "copy.csv").read_text().splitlines()[0] + "\n")
+    elif case == "empty files":
+        bands.write_text("")
+        (tmp_path / "copy.csv").write_text("")
+    else:
+        bands.write_text(bands.read_text().replace("3.4,3.3,3.5", "abc,3.3,3.5"))
+    proc = run_script(str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("results_table: error: ") and proc.stderr.count("\n") == 1
+    assert "posbench plot" in proc.stderr

@@ -281,3 +281,31 @@ def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypat
             log=lambda _: None)
     (title,) = titles
     assert "step" not in title.split("\n")[0] and "analytic" in title and title.startswith("rope")
+
+
+def test_viz_of_a_task_run_draws_attention_on_its_task_sequences(tmp_path, monkeypatch):
+    """A task run (task=flipflop) has no text: viz asked the hub for TinyStories and told the
+    user to use data=sample. Its attention is now measured on the task's own held-out sequences."""
+    from posbench import viz
+    from posbench.runs import load_run
+    from posbench.tasks.base import VALID, make_task
+    from posbench.train import train
+
+    run_dir = tmp_path / "flipflop-rope-s0"
+    train(compose_config("train", [*QUICK_TRAIN, "task=flipflop", "method=rope"]), run_dir, log=lambda _: None)
+
+    def no_text(*args, **kwargs):
+        raise AssertionError("a task run has no text to load")
+
+    monkeypatch.setattr(viz, "run_data", no_text)
+    run = load_run(run_dir)
+    settings = viz.VizSettings(num_sequences=2, context=32)
+    tokens, where = viz._held_out_windows(run, 64, settings, log=lambda _: None)
+    expected, _ = make_task(run.config.task, 32).sequences(VALID, 64, 2).inputs_targets()
+    assert torch.equal(tokens, expected) and tokens.shape == (2, 64)
+    assert where == "2 held-out flipflop sequences (validation) of 64 tokens"
+    written = run_viz(compose_config("viz", [f"run={run_dir}", "attention.num_sequences=2", "wandb=false"]),
+                      log=lambda _: None)
+    assert {p.stem for p in written} >= {"attention_maps_layer0", "attention_entropy_distance"}
+    with pytest.raises(PosbenchError, match="attention.split=train is not held out"):
+        viz._held_out_windows(run, 64, viz.VizSettings(split="train"), log=lambda _: None)
