@@ -97,3 +97,26 @@ def test_readme_keeps_the_ci_test_command():
 def test_readme_is_a_front_door():
     # Reference material lives in docs/; the README stays short (issue 22: at most ~350 lines).
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 360
+
+
+def test_mkdocs_nav_lists_every_page():
+    # Every top-level page of docs/ is reachable from the site's navigation (the results pages in
+    # docs/<study>/ are reached through links from those pages).
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+
+    def pages(node):
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, list):
+            for item in node:
+                yield from pages(item)
+        elif isinstance(node, dict):
+            for value in node.values():
+                yield from pages(value)
+
+    listed = set(pages(nav))
+    missing = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in listed)
+    assert missing == [], f"mkdocs.yml nav lacks {missing}"
+    assert all((ROOT / "docs" / page).is_file() for page in listed), sorted(listed)
