@@ -122,6 +122,9 @@ def run_facets(run: RunRecord) -> dict[str, Any]:
                    if name not in ("context", "precision")})  # the context is C; precision resolved:
     facets["precision"] = run.precision
     facets["data"] = _digest(_data_identity(run))
+    retrieval = (run.results.get("data") or {}).get("retrieval")
+    if retrieval and retrieval.get("rate"):  # training text with retrievable content (data.retrieval)
+        facets["data.retrieval"] = ",".join(f"{k}={v}" for k, v in sorted(retrieval.items()))
     facets["windows"] = _digest(_windows(run))
     return facets
 
@@ -165,9 +168,13 @@ def _label_facets(facets: Sequence[dict[str, Any]]) -> list[list[str]]:
     return [differ, full]
 
 
-SHOWN_FACETS = ("model.attention_window",)
+SHOWN_FACETS = ("model.attention_window", "data.retrieval")
 """Facets a label always shows when set (not None), whatever the other groups: a windowed run is
-another model (the window baseline), never just ``rope`` because no plain rope run is beside it."""
+another model (the window baseline), never just ``rope`` because no plain rope run is beside it;
+a run trained with retrievable content (``data.retrieval``) is never pooled or named as plain."""
+
+OFF_WHEN_ABSENT = ("data.retrieval",)
+"""Facets a run without them has switched off (None, shown ``none``), rather than not recorded."""
 
 
 def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
@@ -182,7 +189,7 @@ def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
     by_key: dict[tuple[str, str], list[RunRecord]] = {}
     facets_of: dict[tuple[str, str], dict[str, Any]] = {}
     for run, recorded in zip(runs, all_facets):
-        facets = {n: recorded.get(n, ABSENT) for n in names}
+        facets = {n: recorded.get(n, None if n in OFF_WHEN_ABSENT else ABSENT) for n in names}
         key = (run.method, _encoded(facets))
         by_key.setdefault(key, []).append(run)
         facets_of[key] = facets
