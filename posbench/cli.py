@@ -229,6 +229,7 @@ def _register_launcher() -> None:
     ``hydra_plugins`` folders on disk, which misses it in an editable install; registering the
     class by hand works for every kind of install."""
     from hydra.core.plugins import Plugins
+
     from hydra_plugins.posbench_launcher.isolated_joblib_launcher import IsolatedJoblibLauncher
 
     Plugins.instance().register(IsolatedJoblibLauncher)

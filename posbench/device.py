@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from posbench import hardware
 from posbench.distributed import DistInfo
 from posbench.errors import PosbenchError, one_line
-from posbench import hardware
 
 
 def sweep_job_number() -> int:

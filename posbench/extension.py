@@ -97,7 +97,7 @@ class Extension:
     """Capabilities a method needs for it (any one of them); None = every method."""
     summary: str
     """One line for listings and logs."""
-    install: Callable[[PositionMethod, Setting], "ExtendedPosition | None"]
+    install: Callable[[PositionMethod, Setting], ExtendedPosition | None]
     """Build the adjusted method (None when the setting makes it the identity)."""
     default_factor: str | None = "L/C"
     """Its factor when ``eval.extension_factor`` is null: ``L/C``, ``1`` (dynamic_ntk, whose
@@ -105,7 +105,7 @@ class Extension:
     resolved_options: Callable[[Setting], dict[str, Any]] | None = None
     """Its own settings as used at a setting (defaults filled in), recorded in results."""
 
-    def applies(self, method: "str | PositionMethod | type[PositionMethod]") -> bool:
+    def applies(self, method: str | PositionMethod | type[PositionMethod]) -> bool:
         """Whether it applies to ``method`` (a name, a method or its class)."""
         cls = method_type(method)
         return self.applies_to is None or issubclass(cls, self.applies_to)
@@ -135,7 +135,7 @@ def transform_apart(method: PositionMethod, q: Tensor, k: Tensor, q_positions: T
     return qq[..., :T, :], kk[..., T:, :]
 
 
-def method_type(method: "str | PositionMethod | type[PositionMethod]") -> type:
+def method_type(method: str | PositionMethod | type[PositionMethod]) -> type:
     """The method class of a name, an instance (an extended one: its trained method) or a class."""
     if isinstance(method, str):
         return method_class(method)
@@ -298,7 +298,7 @@ def hf_rope_config(method: PositionMethod, rope_type: str, train_context: int, p
     return LlamaConfig(**shape, rope_theta=base, rope_scaling=scaling)
 
 
-def _rope_rule(rope_type: str, **params: float) -> Callable[[PositionMethod, Setting], "ExtendedPosition | None"]:
+def _rope_rule(rope_type: str, **params: float) -> Callable[[PositionMethod, Setting], ExtendedPosition | None]:
     def install(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
         if setting.factor == 1.0:
             return None
@@ -413,7 +413,7 @@ def check_names(requested: Sequence[str] | str) -> None:
             raise PosbenchError(f"unknown eval.extension {name!r}; choose from none, all, {', '.join(EXTENSIONS)}")
 
 
-def resolve_extensions(requested: Sequence[str] | str, method: "str | PositionMethod | type[PositionMethod]",
+def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMethod | type[PositionMethod],
                        log: Callable[[str], object] = print) -> list[str]:
     """The extensions of ``eval.extension`` to evaluate for ``method`` (a name, a method or its
     class), always ``none`` first (the plain evaluation every extension is compared with).

@@ -107,7 +107,7 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -72,14 +72,19 @@ from posbench.compare import (
 )
 from posbench.errors import PosbenchError, one_line
 from posbench.figures import (
-    FORMATS, LEGEND_ONE_COLUMN, check_formats, legend_outside, line_styles, new_figure, no_data, save,
+    FORMATS,
+    LEGEND_ONE_COLUMN,
+    check_formats,
+    legend_outside,
+    line_styles,
+    new_figure,
+    no_data,
+    save,
 )
 from posbench.io import write_text_atomic
 from posbench.plot_extension import plot_extensions
 from posbench.plot_passkey import plot_run_passkey
 from posbench.plot_probes import plot_probes
-from posbench.rundir import RunDir
-from posbench.stats import moving_average, pointwise_t_band
 from posbench.results import (
     RESULTS_FILE,
     RunRecord,
@@ -89,6 +94,8 @@ from posbench.results import (
     read_results,
     read_status,
 )
+from posbench.rundir import RunDir
+from posbench.stats import moving_average, pointwise_t_band
 from posbench.tasks.report import is_task_run, plot_task_runs, split_unscored, task_figure, task_tables
 
 TRAIN_EMA = 0.8

@@ -29,12 +29,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from posbench.compare import band_key as _band_key
+from posbench.compare import group_runs
 from posbench.extension import NONE, list_extensions
-from posbench.io import write_text_atomic
-from posbench.compare import band_key as _band_key, group_runs
 from posbench.figures import new_figure, save
-from posbench.stats import moving_average as _moving_average
+from posbench.io import write_text_atomic
 from posbench.results import RunRecord, entry_extension
+from posbench.stats import moving_average as _moving_average
 
 
 def _extension_order(names: set[str]) -> list[str]:

@@ -21,7 +21,7 @@ class StopRequest:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading_main():
             for sig in PREEMPTION_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -412,7 +412,7 @@ class RunRecord:
     def train_context(self) -> int:
         return int(self.results["train_context"])
 
-    def plain(self) -> "RunRecord":
+    def plain(self) -> RunRecord:
         """The same run with only its plain eval entries (what the method comparisons read)."""
         results = {**self.results, "eval": plain_entries(self.results["eval"])}
         return RunRecord(self.path, results, self.status, self._metrics, self._config)
@@ -430,7 +430,7 @@ class RunRecord:
         files from before posbench recorded it (``environment``) under ``trainer.precision=auto``."""
         return recorded_precision(self.results, self.config) or "unknown"
 
-    def variant(self, label: str) -> "RunRecord":
+    def variant(self, label: str) -> RunRecord:
         """The run as measured under ``label`` (an ``eval_variants`` label, e.g. ``num_sequences=64``,
         see :func:`merge_eval_entries`): those entries, plus the run's own at lengths the variant
         lacks (which ``posbench eval`` measured the same way, having nothing to compare them with).

@@ -29,8 +29,17 @@ from posbench.checkpoint import checkpoint_dir, list_checkpoints
 from posbench.errors import PosbenchError, one_line
 from posbench.io import write_json_atomic, write_text_atomic
 from posbench.results import (
-    CONFIG_FILE, METRICS_FILE, REFUSED_FILE, RESULTS_FILE, STATUS_FILE, quarantine, read_metrics, read_results,
-    read_status, write_results, write_status,
+    CONFIG_FILE,
+    METRICS_FILE,
+    REFUSED_FILE,
+    RESULTS_FILE,
+    STATUS_FILE,
+    quarantine,
+    read_metrics,
+    read_results,
+    read_status,
+    write_results,
+    write_status,
 )
 
 RESULTS_LOCK = ".results.json.lock"  # held while results.json is read, merged and rewritten
@@ -55,7 +64,7 @@ class RunLock:
         self.run_dir, self.enabled, self.lock = Path(run_dir), enabled, None
         self.otherwise = otherwise  # the refusal's way out for the command that asked (train, eval)
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         if not self.enabled or self.lock is not None:  # already held: ``with`` on a taken lock
             return self
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,7 @@ class HydraRecord:
         return continue_hint(run_dir, resume_named, self.sweep_dir if self.multirun else None, self.named_dir)
 
     @classmethod
-    def from_hydra(cls) -> "HydraRecord":
+    def from_hydra(cls) -> HydraRecord:
         """The record of the running Hydra job, as Hydra would have written it."""
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode

@@ -36,7 +36,7 @@ class MethodSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, section: Any) -> "MethodSpec":
+    def from_config(cls, section: Any) -> MethodSpec:
         """``method`` config section (``{name: ..., <options>}``, or a bare name) -> spec."""
         if isinstance(section, str):  # method=name given as a plain key, without its group file
             return cls(section, {})
@@ -47,20 +47,20 @@ class MethodSpec:
         return cls(name, values)
 
     @classmethod
-    def from_saved(cls, section: Any) -> "MethodSpec":
+    def from_saved(cls, section: Any) -> MethodSpec:
         """A saved run's ``method`` section (its config.yaml, or a checkpoint's ``{name, **options}``):
         an option the run does not record takes the value it had before the option existed (the
         method's ``options_before``), not today's default, so the run is rebuilt as it trained."""
         spec = cls.from_config(section)
         return cls(spec.name, saved_options(spec.name, spec.options))
 
-    def recorded(self) -> "MethodSpec":
+    def recorded(self) -> MethodSpec:
         """A new run's spec with every option of ``options_before`` written out (at today's
         default where not given), so its records never leave the question to :meth:`from_saved`."""
         today = method_options(self.name)
         return MethodSpec(self.name, {**{k: today[k] for k in method_class(self.name).options_before}, **self.options})
 
-    def in_context(self, context: int) -> "MethodSpec":
+    def in_context(self, context: int) -> MethodSpec:
         """This spec with the method's ``context_option`` set to ``context`` where it is null."""
         option = method_class(self.name).context_option
         if option is None or self.options.get(option) is not None:
@@ -72,7 +72,7 @@ class MethodSpec:
         return {"name": self.name, **self.options}
 
     @classmethod
-    def defaults(cls, name: str, overrides: dict[str, Any] | None = None) -> "MethodSpec":
+    def defaults(cls, name: str, overrides: dict[str, Any] | None = None) -> MethodSpec:
         """Method ``name`` with the options of ``configs/method/<name>.yaml`` (its constructor's
         defaults when it has no config file), updated by ``overrides``."""
         method_class(name)  # unknown names fail here with the list of valid ones

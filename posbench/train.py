@@ -33,14 +33,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
+from posbench import loggers
 from posbench.checkpoint import load_model_weights, rng_state, save_checkpoint, set_rng_state
 from posbench.device import as_posbench_error, autocast_dtype, resolve_device, seed_everything
 from posbench.distributed import (
-    DistInfo, any_rank, barrier, init_distributed, mean_across_ranks, same_on_all_ranks, shutdown,
+    DistInfo,
+    any_rank,
+    barrier,
+    init_distributed,
+    mean_across_ranks,
+    same_on_all_ranks,
+    shutdown,
 )
 from posbench.errors import PosbenchError
 from posbench.hardware import environment_line, run_environment
-from posbench import loggers
 from posbench.loggers import make_progress, wandb_group
 from posbench.methods import ParameterDrift
 from posbench.model import build_model

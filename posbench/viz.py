@@ -448,7 +448,7 @@ class VizSettings:
     rules: tuple[str, ...] = ()
     formats: tuple[str, ...] = ("png",)
 
-    def validate(self) -> "VizSettings":
+    def validate(self) -> VizSettings:
         self.formats = tuple(check_formats(self.formats))
         for name in ("context", "span", "length_factor", "num_sequences"):
             value = getattr(self, name)

@@ -12,7 +12,7 @@ from posbench.methods import dense_score
 # Test models are tiny: one thread avoids oversubscribing a 2-core CI machine, where torch's
 # default threading made single steps ~100x slower under load. Subprocesses inherit the env.
 torch.set_num_threads(1)
-import os as _os
+import os as _os  # noqa: E402
 
 _os.environ.setdefault("OMP_NUM_THREADS", "1")
 

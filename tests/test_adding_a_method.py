@@ -66,6 +66,7 @@ def test_a_new_rotary_method_gets_every_rotary_extension(spin):
         assert torch.equal(model.position.inv_freq, trained)  # the trained module is never changed
 
 
+@pytest.mark.slow
 def test_a_new_method_is_benchmarked(spin, tmp_path):
     cfg = OmegaConf.create({"methods": [NAME], "model": {"flavour": "tiny", "d_model": 64, "n_layers": 2,
                                                          "n_heads": 4},

@@ -7,11 +7,12 @@ import math
 
 import pytest
 import torch
+from conftest import assert_matches_reference
+from conftest import make_method as make
 from torch import nn
 
 import posbench
 import posbench.attention as attention
-from conftest import assert_matches_reference, make_method as make
 from posbench.attention import FLEX_AVAILABLE, attend, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, dense_score

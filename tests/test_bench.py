@@ -49,6 +49,7 @@ def rope_alibi_run(tmp_path_factory):
     return out, report
 
 
+@pytest.mark.slow
 def test_bench_json_structure_and_values(rope_alibi_run):
     out, report = rope_alibi_run
     saved = json.loads((out / "bench.json").read_text())
@@ -111,6 +112,7 @@ def test_flop_formula_counts_linear_weights():
     assert bench.train_flops_per_token(n, L, 256, d) == 6 * n + 12 * L * 256 * d
 
 
+@pytest.mark.slow
 def test_peak_table(monkeypatch):
     cpu = torch.device("cpu")
     measured, source = bench.resolve_peak_tflops("auto", cpu)
@@ -178,6 +180,7 @@ def test_eval_oom_and_unsupported_lengths_are_recorded(monkeypatch):
                       "256": "unsupported: positions up to 200"}
 
 
+@pytest.mark.slow
 def test_a_failing_method_keeps_the_others(tmp_path, monkeypatch):
     real = bench.bench_method
 
@@ -206,6 +209,7 @@ def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
     out = tmp_path / "out"
     proc = run_cli(tmp_path, "model=tiny", "methods=[nope]", "steps=1", "warmup_steps=1", "eval_lengths=[64]",
@@ -218,6 +222,7 @@ def test_cli_end_to_end(tmp_path):
     assert "| nope |" in proc.stdout  # the table is printed too
 
 
+@pytest.mark.slow
 def test_cli_bad_method_is_one_line(tmp_path):
     proc = run_cli(tmp_path, "model=tiny", "methods=[nosuch]")
     assert proc.returncode == 2
@@ -238,7 +243,7 @@ def test_cuda_event_timing_bookkeeping(monkeypatch):
         def record(self) -> None:
             self.t = clock["ms"]
 
-        def elapsed_time(self, end: "FakeEvent") -> float:
+        def elapsed_time(self, end: FakeEvent) -> float:
             assert self.t is not None and end.t is not None, "an event was read before being recorded"
             return end.t - self.t
 
@@ -278,6 +283,7 @@ def test_bench_on_cuda(tmp_path):
     assert finite_positive(report["peer_ratio"])
 
 
+@pytest.mark.slow
 def test_cli_out_naming_a_file_is_one_line(tmp_path):
     """`out=<an existing file>` was a FileExistsError traceback; now one line, exit 2, as viz
     and plot, with the file untouched."""

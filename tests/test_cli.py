@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import QUICK_TRAIN
 
 import posbench
@@ -35,6 +34,7 @@ def test_help_lists_every_subcommand():
         assert f"  {command} " in out
 
 
+@pytest.mark.slow
 def test_hydra_features_work_per_subcommand():
     composed = posbench_cli("train", "--cfg", "job", "method=alibi", "model=tiny").stdout
     assert "name: alibi" in composed and "d_model: 64" in composed
@@ -47,6 +47,7 @@ def test_unknown_command_fails_with_the_list_of_commands():
     assert proc.returncode == 2 and "prepare, train, eval, plot, bench" in proc.stderr
 
 
+@pytest.mark.slow
 def test_unknown_method_fails_before_any_work(tmp_path):
     proc = posbench_cli("train", "method=yarn", f"hydra.run.dir={tmp_path / 'run'}", check=False)
     assert proc.returncode == 2
@@ -54,6 +55,7 @@ def test_unknown_method_fails_before_any_work(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -86,6 +88,7 @@ def test_config_errors_are_one_posbench_line_with_the_fix(tmp_path, args, messag
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_plain_key_of_a_swept_group_works_in_a_sweep(tmp_path):
     """`-m task=flipflop,copy task.seed=3`: Hydra composes the sweep's own config without the
     swept task, so the plain key failed there (and its `+task.seed` hint failed again); every job
@@ -103,6 +106,7 @@ def test_a_plain_key_of_a_swept_group_works_in_a_sweep(tmp_path):
     assert len(configs) == 2 and all("seed: 3" in c.read_text().split("task:")[1] for c in configs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -122,12 +126,14 @@ def test_user_errors_are_one_line_without_traceback(tmp_path, overrides, message
     assert not (tmp_path / "run" / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_debug_flag_shows_the_traceback(tmp_path):
     proc = posbench_cli("train", *QUICK_TRAIN, "model.n_layers=abc", "debug=true",
                         f"hydra.run.dir={tmp_path / 'run'}", check=False)
     assert proc.returncode != 0 and "Traceback" in proc.stderr + proc.stdout
 
 
+@pytest.mark.slow
 def test_train_eval_plot_round_trip(tmp_path):
     run = tmp_path / "run"
     posbench_cli("train", *QUICK_TRAIN, "method=alibi", f"hydra.run.dir={run}")
@@ -157,6 +163,7 @@ def test_train_eval_plot_round_trip(tmp_path):
         assert (out / name).stat().st_size > 0, name
 
 
+@pytest.mark.slow
 def test_eval_and_plot_refuse_a_directory_without_runs(tmp_path):
     proc = posbench_cli("eval", f"run={tmp_path}", check=False)
     assert proc.returncode == 2 and "no checkpoints" in proc.stderr
@@ -164,6 +171,7 @@ def test_eval_and_plot_refuse_a_directory_without_runs(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_multirun_over_all_methods_writes_comparison(tmp_path):
     sweep = tmp_path / "sweep"
     proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=glob(*)", f"hydra.sweep.dir={sweep}")
@@ -182,6 +190,7 @@ def test_multirun_over_all_methods_writes_comparison(tmp_path):
     assert proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
     sweep = tmp_path / "sweep"
     posbench_cli("train", "-m", *QUICK_TRAIN, "method=rope,alibi", "seed=0,1", "hydra/launcher=joblib",
@@ -191,6 +200,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
     assert "| alibi | 2 |" in (sweep / "comparison" / "bands.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=rope", "trainer.grad_clip=0",
@@ -206,6 +216,7 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     assert (sweep / "comparison" / "bands.md").exists()
 
 
+@pytest.mark.slow
 def test_submitit_local_launcher_runs_a_tiny_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     posbench_cli("train", "-m", *QUICK_TRAIN, "method=nope,t5", "hydra/launcher=submitit_local",
@@ -214,6 +225,7 @@ def test_submitit_local_launcher_runs_a_tiny_sweep(tmp_path):
     assert methods == ["nope", "t5"]
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_match_one_process(tmp_path):
     """DDP on 2 CPU processes (gloo) with the same global batch follows the 1-process loss curve."""
     common = [*QUICK_TRAIN, "method=rope", "trainer.max_steps=6", "trainer.log_every=1"]
@@ -226,12 +238,14 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
         capture_output=True, text=True, env=ENV, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = lambda d: [json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    def losses(d):
+        return [json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     assert len(losses(double)) == 6
     assert losses(double) == pytest.approx(losses(single), rel=1e-4, abs=1e-5)
     assert results_of(double)["train"]["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_packaged_sample_train_and_eval(tmp_path):
     run = tmp_path / "run"
     posbench_cli("train", *QUICK_TRAIN, "data=sample",
@@ -266,6 +280,7 @@ def test_results_files_are_readable_by_others(tmp_path):
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow
 def test_prepare_reports_token_counts_and_reuses_the_cache():
     first = posbench_cli("prepare", "data=synthetic")
     assert "train " in first.stdout + first.stderr and " tokens, validation " in first.stdout + first.stderr

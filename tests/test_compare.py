@@ -76,6 +76,7 @@ def t_interval_explicit(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+@pytest.mark.slow
 def test_tables_hold_intervals_costs_and_paired_differences(three_seeds: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     summary = plot_runs([three_seeds], out, log=lambda _: None)
@@ -112,6 +113,7 @@ def test_tables_hold_intervals_costs_and_paired_differences(three_seeds: Path, t
     assert "Paired differences on 256-512" in text and "t, 3 seeds" in text
 
 
+@pytest.mark.slow
 def test_a_single_seed_gets_a_bootstrap_over_sequences_and_pairs_no_verdict(tmp_path: Path) -> None:
     for method in ("rope", "alibi"):
         make_run(tmp_path / "s" / method, method, 0)
@@ -190,6 +192,7 @@ def test_committed_runs_one_seed_orders_nothing() -> None:
     assert all(p.difference.distinguishable is None for p in pairs if len(p.seeds) == 1)
 
 
+@pytest.mark.slow
 def test_runs_with_different_options_are_kept_apart(tmp_path: Path) -> None:
     for base in (500, 10000):
         for seed in (0, 1):
@@ -221,6 +224,7 @@ def bands_rows(out: Path) -> dict[str, dict[str, str]]:
         return {r["label"]: r for r in csv.DictReader(f)}
 
 
+@pytest.mark.slow
 def test_a_400_step_and_a_60_step_run_of_one_seed_are_shown_apart(tmp_path: Path) -> None:
     make_run(tmp_path / "s" / "rope-400", "rope", 0, steps=400)
     make_run(tmp_path / "s" / "rope-60", "rope", 0, steps=60)
@@ -235,6 +239,7 @@ def test_a_400_step_and_a_60_step_run_of_one_seed_are_shown_apart(tmp_path: Path
     assert "| rope[steps=400] | 1 |" in text and "| rope[steps=60] | 1 |" in text
 
 
+@pytest.mark.slow
 def test_two_seeds_of_identical_settings_pool(tmp_path: Path) -> None:
     env = {"environment": {"precision": "bf16"}}
     for seed in (0, 1):
@@ -244,6 +249,7 @@ def test_two_seeds_of_identical_settings_pool(tmp_path: Path) -> None:
     assert bands_rows(tmp_path / "out")["rope"]["interval"] == "t, 2 seeds"
 
 
+@pytest.mark.slow
 def test_runs_in_other_precision_or_windows_or_settings_are_kept_apart(tmp_path: Path) -> None:
     make_run(tmp_path / "s" / "bf16", "rope", 0, environment={"precision": "bf16"})
     make_run(tmp_path / "s" / "fp32", "rope", 1, environment={"precision": "fp32"})
@@ -264,6 +270,7 @@ def test_runs_in_other_precision_or_windows_or_settings_are_kept_apart(tmp_path:
     assert any("windows=" in label and "trainer.lr=unknown" in label for label in groups), groups
 
 
+@pytest.mark.slow
 def test_two_runs_of_one_seed_never_count_as_two_seeds(tmp_path: Path) -> None:
     for name in ("a", "b"):
         for seed in (0, 1):
@@ -279,6 +286,7 @@ def test_two_runs_of_one_seed_never_count_as_two_seeds(tmp_path: Path) -> None:
     assert "rope[copy 2]" in text and "| `b/rope-0` | rope | 0 | rope[copy 2] |" in text
 
 
+@pytest.mark.slow
 def test_a_failed_or_refused_run_never_enters_the_table(tmp_path: Path) -> None:
     """Fault case L10: a failed job (its results.json from an earlier finish, or its start refused,
     or without final results) must not be pooled into the tables and figures."""
@@ -422,3 +430,29 @@ def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
     assert sorted(groups) == ["rope[model.attention_window=256]", "rope[model.attention_window=none]"]
     windowed("p/rope-s0", 0, None)  # a plain run alone is just rope
     assert sorted(group_runs(discover_runs([tmp_path / "p"])[0])) == ["rope"]
+
+
+def test_a_run_trained_with_retrieval_text_is_never_pooled_with_plain_runs(tmp_path: Path) -> None:
+    """A run trained with ``data.retrieval`` (pass keys and repeated spans written into its
+    training windows) was grouped with plain runs of its method as another seed of them."""
+    from posbench.compare import group_runs
+
+    def trained(name: str, seed: int, retrieval: dict | None) -> None:
+        make_run(tmp_path / name, "rope", seed)
+        if retrieval is not None:
+            results = json.loads((tmp_path / name / "results.json").read_text())
+            results.setdefault("data", {})["retrieval"] = retrieval
+            write_results(tmp_path / name, results)
+
+    option = {"rate": 0.5, "kinds": ["passkey"], "min_distance": 1, "max_distance": 256, "span": 16}
+    trained("a/rope-s0", 0, None)
+    trained("a/rope-ret-s1", 1, option)
+    groups = group_runs(discover_runs([tmp_path / "a"])[0])
+    assert len(groups) == 2 and all(len(g.runs) == 1 for g in groups.values())
+    plain = next(label for label in groups if "data.retrieval=none" in label)
+    assert [r.path.name for r in groups[plain].runs] == ["rope-s0"]
+    trained("b/rope-ret-s0", 0, option)  # alone, it still says what it was trained on
+    (label,) = group_runs(discover_runs([tmp_path / "b"])[0])
+    assert label.startswith("rope[data.retrieval=") and "rate=0.5" in label
+    trained("c/rope-s0", 0, {**option, "rate": 0.0})  # rate 0 is plain text: no facet
+    assert sorted(group_runs(discover_runs([tmp_path / "c"])[0])) == ["rope"]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conftest import compose_config
 from omegaconf import OmegaConf
 
-from conftest import compose_config
 from posbench.config import config_dir, config_names
 from posbench.methods import list_methods, method_options
 from posbench.spec import build_spec

@@ -114,6 +114,7 @@ def test_synthetic_stories_are_deterministic_and_long():
     assert hero is None or a[0].count(hero) >= 3  # the hero comes back later in the story
 
 
+@pytest.mark.slow
 def test_synthetic_end_to_end(tmp_path):
     logs: list[str] = []
     cfg = synth_cfg(tmp_path)
@@ -194,6 +195,7 @@ def _prepare_then_die(cache_dir: str) -> None:
     P.prepare_data(synth_cfg(Path(cache_dir)), log=lambda m: None)
 
 
+@pytest.mark.slow
 def test_killed_prepare_leaves_nothing_that_looks_valid(tmp_path):
     proc = mp.get_context("spawn").Process(target=_prepare_then_die, args=(str(tmp_path),))
     proc.start()
@@ -239,6 +241,7 @@ def _prepare_in_child(cache_dir: str, barrier, queue) -> None:
     queue.put((str(data.dir), logs))
 
 
+@pytest.mark.slow
 def test_concurrent_preparers_build_once(tmp_path):
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(2), ctx.Queue()
@@ -642,6 +645,7 @@ def test_vocab_merges_dir_tokenizer_on_sample(tmp_path, sample_data):
     assert data.decode(first[:-1]).startswith("Spot. Spot saw the shiny car")
 
 
+@pytest.mark.slow
 def test_packaged_sample_default_bpe(tmp_path, sample_data):
     cfg = DataConfig(source="sample", max_train_stories=2000, cache_dir=str(tmp_path))
     data = prepare_data(cfg, log=lambda m: None)

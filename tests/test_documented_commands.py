@@ -105,6 +105,7 @@ def test_the_pages_document_commands():
     assert any(call[0] == "plot" for _, call in COMMANDS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, call", COMMANDS, ids=[where for where, _ in COMMANDS])
 def test_documented_command_composes(where, call):
     from posbench.cli import COMMANDS as SUBCOMMANDS

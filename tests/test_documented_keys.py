@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
 from omegaconf import OmegaConf
 
-from conftest import compose_config
 from posbench.config import config_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def test_the_reference_is_found():
     assert len(GROUP_KEYS) > 40 and len(METHOD_KEYS) > 20
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def composed(*overrides: str):
     return compose_config("train", list(overrides))
 
@@ -106,6 +106,7 @@ def test_the_window_baseline_is_settable_as_the_readme_writes_it(preset):
     assert spec.model.attention_window == 64
 
 
+@pytest.mark.slow
 def test_bench_help_lists_only_the_groups_bench_reads():
     """Hydra's default --help lists every group of configs/ (data, trainer, method, ...), which
     bench never reads; bench composes only ``model``."""

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import QUICK_TRAIN, compose_config
+
 from posbench.errors import PosbenchError
 from posbench.evaluate import headline
 from posbench.spec import build_spec
@@ -50,6 +50,7 @@ def rope_run(rope_once: Path, tmp_path: Path) -> Path:
 # ----------------------------------------------------------------------------- item 1
 
 
+@pytest.mark.slow
 def test_the_readme_extension_example_keeps_the_headline_bitwise(rope_run, tmp_path):
     """The README's worked example (`posbench eval run=R 'eval.extension=[none,ntk,yarn]'
     eval.num_sequences=...`) on other windows than the run's: the run's entries and headline
@@ -96,6 +97,7 @@ def test_eval_takes_the_runs_own_settings_by_default(rope_run):
                for line in lines)
 
 
+@pytest.mark.slow
 def test_a_new_length_never_becomes_the_headline(tmp_path):
     """A run evaluated at 128 only has its 32-64 headline there; adding length 64 later (whose
     entry also holds 32-64, and sorts first) leaves the headline at the training-time entry."""
@@ -153,8 +155,8 @@ def test_validation_subset_is_spread_seeded_and_the_same_for_every_method(tmp_pa
 
     from posbench.data import prepare_data
     from posbench.data.loader import eval_sequences, spread_sequences
-    from posbench.model import build_model
     from posbench.evaluate import validation_sets
+    from posbench.model import build_model
 
     tokens = np.arange(10_000, dtype=np.uint16)
     every = eval_sequences(tokens, 64, 10_000)  # (153, 65)
@@ -175,6 +177,7 @@ def test_validation_subset_is_spread_seeded_and_the_same_for_every_method(tmp_pa
     assert not torch.equal(sets[0]["val_loss"], eval_sequences(prepared.valid_tokens(), 32, 8))
 
 
+@pytest.mark.slow
 def test_validation_subset_mean_estimates_the_full_band_on_the_sample(tmp_path):
     """On the packaged TinyStories sample at C = 256 (experiment=cpu_quick's data and windows):
     the per-window mean surprisal of the C-2C targets under the training text's unigram
@@ -233,6 +236,7 @@ def expect_one_line(err: PosbenchError) -> str:
     return message
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_other_method_code_is_refused_by_eval_and_resume(tmp_path):
     run_dir = tmp_path / "run"
     run_train(run_dir, "method=t5", "eval.lengths=[64]")
@@ -266,6 +270,7 @@ def test_a_bad_rope_base_names_method_base(base):
     assert "lr" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_plot_and_extension_table_read_a_variant_when_asked(rope_run, tmp_path):
     """The README's worked example evaluates extensions on 2 windows (a variant) and a new length:
     `plot variant=num_sequences=2` and scripts/extension_table.py draw those, paired per length."""

@@ -12,7 +12,14 @@ from torch import nn
 from posbench.errors import PosbenchError
 from posbench.evaluate import per_position_loss
 from posbench.extension import (
-    EXTENSIONS, NONE, ExtendedPosition, Setting, evaluation_order, extended, extension_factor, record_extension,
+    EXTENSIONS,
+    NONE,
+    ExtendedPosition,
+    Setting,
+    evaluation_order,
+    extended,
+    extension_factor,
+    record_extension,
     resolve_extensions,
 )
 from posbench.methods import ModelDims, build_method, list_methods, method_class
@@ -260,6 +267,7 @@ def test_position_is_restored_when_evaluation_fails():
     assert model.position is original and torch.equal(original.inv_freq, freq)
 
 
+@pytest.mark.slow
 def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
     import json
 

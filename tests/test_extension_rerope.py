@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
+from conftest import assert_causal_model, assert_matches_reference
 
 import posbench
-from conftest import assert_causal_model, assert_matches_reference
 from posbench.errors import PosbenchError
 from posbench.evaluate import evaluate_model, per_position_loss
 from posbench.extension import EXTENSIONS, ExtendedPosition, Setting, extended, list_extensions, resolve_extensions

@@ -267,6 +267,7 @@ def test_cuda_graph_step_marks_every_micro_batch_and_keeps_no_graph_output(monke
     assert all(loss.data_ptr() != out.data_ptr() for out in outputs)  # the sum is a tensor of its own
 
 
+@pytest.mark.slow
 def test_kerple_projects_before_the_step_and_not_inside_a_compiled_forward():
     from posbench.optim import TrainStep
 
@@ -307,6 +308,7 @@ def run_speed(tmp_path, *extra):
     return done, (json.loads(out.read_text()) if out.exists() else None)
 
 
+@pytest.mark.slow
 def test_speed_script_times_interleaved_variants_and_profiles_one(tmp_path):
     done, report = run_speed(tmp_path, "--methods", "rope,fox", "--options", "base,fast+chunk=8",
                              "--profile", "fox:default:fast+chunk=8")
@@ -319,6 +321,7 @@ def test_speed_script_times_interleaved_variants_and_profiles_one(tmp_path):
     assert "| fox:default:fast+chunk=8 |" in done.stdout
 
 
+@pytest.mark.slow
 def test_speed_script_skips_and_lists_what_does_not_fit_its_budget(tmp_path):
     done, report = run_speed(tmp_path, "--methods", "rope,alibi,nope", "--budget-s", "0")
     assert done.returncode == 0, done.stderr
@@ -327,6 +330,7 @@ def test_speed_script_skips_and_lists_what_does_not_fit_its_budget(tmp_path):
     assert all(s["reason"].startswith("budget") for s in report["skipped"])
 
 
+@pytest.mark.slow
 def test_speed_script_refuses_an_unknown_option_in_one_line(tmp_path):
     done, report = run_speed(tmp_path, "--options", "turbo")
     assert done.returncode == 2 and report is None
@@ -390,6 +394,7 @@ def test_an_evaluation_extension_keeps_fast_fox_exact_or_refuses_in_one_line():
         fast(idx, targets=idx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", FAST_METHODS)
 def test_fast_paths_trace_into_one_compiled_graph(method):
     """Compiled (aot_eager: dynamo + autograd tracing, no codegen), with the chunked loss too:

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import QUICK_TRAIN, compose_config
+
 from posbench.errors import PosbenchError
 from posbench.results import discover_runs, write_status
 from posbench.spec import build_spec
@@ -59,6 +59,7 @@ def lengths_of(run_dir: Path) -> list[int]:
 # ----------------------------------------------------------------------------- issue 14, Medium 5
 
 
+@pytest.mark.slow
 def test_a_killed_joblib_job_fails_alone_and_the_sweep_goes_on(tmp_path):
     """One job SIGKILLed mid-training (as by the OOM killer): the job running beside it and the
     pending one still finish, the dead one is recorded as failed, summary.md is written."""
@@ -82,6 +83,7 @@ def test_a_killed_joblib_job_fails_alone_and_the_sweep_goes_on(tmp_path):
 # ----------------------------------------------------------------------------- issue 14, Medium 7
 
 
+@pytest.mark.slow
 def test_two_evals_of_one_run_at_once_keep_both_entries(trained, monkeypatch):
     """Eval A reads the run, evaluates; meanwhile eval B evaluates and writes; then A writes.
     A must merge into what B wrote, not into what it read before."""
@@ -114,6 +116,7 @@ def write_corpus(directory: Path, extra: str = "") -> None:
     (directory / "valid.txt").write_text("\n<|endoftext|>\n".join(valid))
 
 
+@pytest.mark.slow
 def test_eval_uses_the_runs_own_tokenizer_and_never_trains_a_new_one(tmp_path):
     text, cache, run = tmp_path / "text", tmp_path / "cache", tmp_path / "run"
     text.mkdir()
@@ -175,6 +178,7 @@ def test_bad_values_are_refused_in_one_line(overrides, message):
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_a_method_option_type_error_is_one_line_on_the_command_line(tmp_path):
     proc = posbench_cli("train", *QUICK_TRAIN, "method=t5", "method.num_buckets=abc", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -196,6 +200,7 @@ def test_a_text_file_without_separators_gets_the_separator_fix(tmp_path):
         prepare_data(DataConfig(source="local", path=str(story), cache_dir=str(tmp_path / "cache")), log=QUIET)
 
 
+@pytest.mark.slow
 def test_a_glob_matching_no_method_fails_the_sweep(tmp_path):
     proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=glob(xyz*)", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr[-2000:]

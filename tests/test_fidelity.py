@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import QUICK_TRAIN, assert_matches_reference, compose_config
 
 import posbench
-from conftest import QUICK_TRAIN, assert_matches_reference, compose_config
 from posbench.config import load_group_option
 from posbench.methods import ModelDims, build_method, dense_score
 from posbench.methods.base import ParameterDrift

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import QUICK_TRAIN, compose_config
 from omegaconf import OmegaConf
 
-from conftest import QUICK_TRAIN, compose_config
 from posbench.errors import PosbenchError
 from posbench.train import TrainingInterrupted, train
 
@@ -56,6 +56,7 @@ def interrupted(run_dir: Path, *overrides: str, at: int = 2) -> None:
 # ----------------------------------------------------------------------------- a sweep continued with trainer.resume
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_names_its_sweep_dir_and_the_same_command_continues_it(tmp_path):
     """The hint of a stopped sweep job is the sweep's, not ``trainer.resume=<job dir>`` (which
     would send every job of the sweep into that one run)."""
@@ -82,6 +83,7 @@ def test_the_hint_of_a_run_started_with_trainer_resume_adds_nothing(tmp_path):
     assert str(stopped.value).endswith("continue with the same command")
 
 
+@pytest.mark.slow
 def test_a_sweep_sharing_one_runs_trainer_resume_is_refused_before_any_job(tmp_path):
     old = tmp_path / "old" / "0_alibi-s0"
     interrupted(old, "method=alibi")
@@ -117,6 +119,7 @@ def test_a_refused_resume_of_another_run_writes_nothing_there_and_fails_its_own_
     assert "## Failed or missing (1)" in summary and "`1_nope-s0`: failed: " in summary
 
 
+@pytest.mark.slow
 def test_a_sweep_job_that_continued_its_own_run_elsewhere_counts_as_finished(tmp_path):
     """Sweeping ``trainer.resume`` (one run per job): the job's own directory holds only Hydra's
     record, and the summary follows it to the run it finished instead of calling it missing."""
@@ -155,6 +158,7 @@ def finished(finished_once: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(finished_once, tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_eval_at_other_lengths_of_a_run_with_damaged_results_recomputes_its_own_first(finished):
     """The run's own entry (its own lengths, its headline) is recomputed under its own eval
     settings; the asked length is added beside it, marked ``added``."""
@@ -257,6 +261,7 @@ def test_off_a_terminal_a_progress_line_comes_every_interval_with_rate_and_eta(m
     assert lines[-1].startswith("step 1000/1000 (100%)") and lines[-1].endswith("ETA 00:00")
 
 
+@pytest.mark.slow
 def test_a_training_off_a_terminal_logs_timed_progress_lines(tmp_path):
     lines: list[str] = []
     run_train(tmp_path, "method=nope", "trainer.progress_every_seconds=0.000001", log=lines.append)

@@ -112,6 +112,7 @@ def test_credentials_make_auto_online(monkeypatch, tmp_path):
     assert loggers.resolve_mode("online") == "disabled"
 
 
+@pytest.mark.slow
 def test_offline_run_logs_everything(tmp_path):
     messages: list[str] = []
     logger = _make(tmp_path, messages=messages)
@@ -186,8 +187,11 @@ def test_null_loggers(tmp_path):
     assert isinstance(make_logger({"name": "wandb"}, rank=1, **kwargs), NullLogger)
     null = NullLogger()
     with null as lg:  # every call is a harmless no-op
-        lg.log_config({}); lg.log_metrics({"loss": 1.0}, step=1); lg.log_eval(_entries(), 256)
-        lg.log_figures([tmp_path / "a.png"]); lg.summary({"a": 1})
+        lg.log_config({})
+        lg.log_metrics({"loss": 1.0}, step=1)
+        lg.log_eval(_entries(), 256)
+        lg.log_figures([tmp_path / "a.png"])
+        lg.summary({"a": 1})
     assert not (tmp_path / "wandb").exists()
 
 

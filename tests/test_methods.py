@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
+from conftest import assert_matches_reference, causal, full_scores, layer_input, methods_with, qk
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_half
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import posbench
-from conftest import assert_matches_reference, causal, full_scores, layer_input, methods_with, qk
 from posbench.config import load_group_option
 from posbench.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, dense_score, method_class, method_options

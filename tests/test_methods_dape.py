@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-
 from conftest import assert_matches_reference, causal, full_scores, make_method, qk
 from model_checks import alibi_bias, check_causal_and_trained
+
 import posbench
 from posbench.attention import resolve_backend
 from posbench.errors import PosbenchError

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_causal_model, assert_matches_reference
 
 import posbench
-from conftest import assert_causal_model, assert_matches_reference
 from posbench.errors import PosbenchError
 from posbench.extension import EXTENSIONS, Setting
 from posbench.methods import ModelDims, build_method
@@ -96,6 +96,7 @@ def test_a_run_cuts_at_its_own_training_context():
     """hope's train_context was a fixed 256 that nothing tied to trainer.context: a task run
     (C = 64) silently kept a pair that never turns within its context. A run now fills it."""
     from conftest import compose_config
+
     from posbench.spec import build_spec
 
     spec = build_spec(compose_config("train", ["task=flipflop", "method=hope"]))

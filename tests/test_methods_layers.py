@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_causal_model, assert_matches_reference
 from omegaconf import OmegaConf
 
 import posbench
@@ -20,7 +21,6 @@ from posbench.methods.base import ParameterDrift
 from posbench.model import attention_backends, layer_windows
 from posbench.positions import randomize_max_from_config
 from posbench.spec import MethodSpec
-from conftest import assert_causal_model, assert_matches_reference
 
 VOCAB = 96
 C = 256
@@ -249,6 +249,7 @@ def test_viz_draws_a_schedule_layer_by_layer(tmp_path):
     dependent (fox), layers without a score term draw zero, and swan's q.k decay is one curve per
     distinct layer (NoPE's flat line, RoPE's decay)."""
     from conftest import compose_config
+
     from posbench.viz import is_content_dependent, qk_decay, run_viz
 
     dims = ModelDims(64, 4, 2)

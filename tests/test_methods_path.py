@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_matches_reference, causal, full_scores, layer_input, make_method, qk
 from model_checks import check_causal_and_trained
+
 from posbench.attention import resolve_backend
 from posbench.errors import PosbenchError
 from posbench.methods import method_class

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_causal_model, assert_matches_reference
 
 import posbench
-from conftest import assert_causal_model, assert_matches_reference
 from posbench.errors import PosbenchError
 from posbench.extension import extended
 from posbench.methods import ModelDims, build_method

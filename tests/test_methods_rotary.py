@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_matches_reference, causal, full_scores, qk
+from conftest import make_method as make
 
 import posbench
-from conftest import assert_matches_reference, causal, full_scores, make_method as make, qk
 from posbench.methods import ModelDims, build_method
 
 ALL_METHODS = posbench.list_methods()

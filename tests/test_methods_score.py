@@ -7,9 +7,11 @@ import math
 
 import pytest
 import torch
+from conftest import assert_matches_reference, causal, full_scores, layer_input, qk
+from conftest import dense_term as dense
+from conftest import make_method as make
 
 import posbench
-from conftest import assert_matches_reference, causal, dense_term as dense, full_scores, layer_input, make_method as make, qk
 from posbench.attention import attend, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.methods import dense_score

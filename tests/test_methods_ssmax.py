@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from conftest import assert_matches_reference, causal, full_scores, make_method, qk
+from model_checks import alibi_bias, check_causal_and_trained, ids, small_model
 from torch import nn
 
 import posbench
-from conftest import assert_matches_reference, causal, full_scores, make_method, qk
-from model_checks import alibi_bias, check_causal_and_trained, ids, small_model
 from posbench.attention import FLEX_AVAILABLE, attend, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.extension import extended, resolve_extensions

@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
+from conftest import assert_causal_model, assert_matches_reference
 from torch import nn
 
 import posbench
-from conftest import assert_causal_model, assert_matches_reference
 from posbench.attention import attend, resolve_backend
 from posbench.errors import PosbenchError
 from posbench.extension import extended

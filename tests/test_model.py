@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from conftest import assert_matches_reference
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import posbench
-from conftest import assert_matches_reference
 from posbench.config import load_group_option
 from posbench.errors import PosbenchError
 from posbench.model import ModelConfig, Transformer

@@ -67,6 +67,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["missing", "text", "flipflop"])
 def test_a_missing_or_other_run_is_refused_in_one_line(tmp_path, kind):
     run = tmp_path / "run"

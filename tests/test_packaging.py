@@ -3,8 +3,9 @@ left out posbench.tasks, so ``task=...`` failed there while every editable-insta
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -72,6 +72,7 @@ def run(model, prepared, **kwargs):
     return entry
 
 
+@pytest.mark.slow
 def test_an_oracle_that_copies_the_key_scores_one_and_the_control_zero(prepared) -> None:
     entry = run(Oracle(PasskeyText(prepared.encode), prepared.vocab_size), prepared)
     assert len(entry["cells"]) == 6
@@ -160,6 +161,7 @@ def test_entries_merge_like_probe_entries() -> None:
 PASSKEY = ["eval.passkey.lengths=[64,96]", "eval.passkey.depths=[0.0,1.0]", "eval.passkey.num_windows=3"]
 
 
+@pytest.mark.slow
 def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_path) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
@@ -186,6 +188,7 @@ def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_pa
     assert (run_dir / "figures" / "passkey_window.png").is_file()
 
 
+@pytest.mark.slow
 def test_training_with_retrieval_inserts_and_records_it(tmp_path) -> None:
     from conftest import QUICK_TRAIN, compose_config
 

@@ -154,6 +154,7 @@ def test_plot_runs_writes_figures_and_tables(sweep: Path, tmp_path: Path) -> Non
     assert sum("skipping" in line for line in lines) == 3
 
 
+@pytest.mark.slow
 def test_svg_and_pdf(sweep: Path, tmp_path: Path) -> None:
     out = tmp_path / "vec"
     plot_runs([str(sweep / "0"), str(sweep / "2")], out, formats=("svg", "pdf"), log=lambda _: None)
@@ -173,6 +174,7 @@ def test_no_valid_runs_is_an_error(sweep: Path, tmp_path: Path) -> None:
         plot_runs([sweep / "6", sweep / "7"], tmp_path / "o", log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_plot_single_run(sweep: Path, tmp_path: Path) -> None:
     written = plot_single_run(sweep / "0")
     names = sorted(p.name for p in written)
@@ -184,6 +186,7 @@ def test_plot_single_run(sweep: Path, tmp_path: Path) -> None:
     assert [p.name for p in plot_single_run(running)] == ["train_loss.png"]
 
 
+@pytest.mark.slow
 def test_sweep_callback(sweep: Path, tmp_path: Path) -> None:
     callback = ComparePlotsCallback()
     callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))

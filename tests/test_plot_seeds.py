@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_compare import C, entry, make_run, per_sequence
 
 from posbench.evaluate import curve_summary
 from posbench.results import discover_runs, write_results
-from test_compare import C, entry, make_run, per_sequence
 
 
 def long_entry(method: str, seed: int, length: int = 1024, **extra: object) -> dict:
@@ -59,6 +59,7 @@ def test_an_extension_on_one_seed_is_paired_with_that_seed(extended: Path) -> No
     assert ntk["change"]["256-512"] == {"mean": 0.0, "std": None, "n": 1, "seeds": ["0"]}
 
 
+@pytest.mark.slow
 def test_the_extension_files_name_the_seeds(extended: Path, tmp_path: Path) -> None:
     from posbench.plot import plot_runs
 
@@ -91,6 +92,7 @@ def test_extension_curves_name_the_seeds_they_are_over(extended: Path) -> None:
     assert labels == ["none (seeds 0, 1)", "ntk (seed 0)"] and "seeds 0, 1)" in ax.get_title()
 
 
+@pytest.mark.slow
 def test_a_length_some_seeds_lack_is_drawn_with_its_seeds_named(extended: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """loss_by_position_1024 drew seed 0 of the 2-seed rope group as "rope", and alibi, never

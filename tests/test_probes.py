@@ -66,6 +66,7 @@ def copying_window_model():
     return model.eval()
 
 
+@pytest.mark.slow
 def test_window_model_has_zero_gain_beyond_its_receptive_field_and_copies_within_it(copying_window_model) -> None:
     entry = probe(copying_window_model)
     for cell in entry["cells"]:
@@ -241,6 +242,7 @@ def test_a_text_span_repeating_its_filler_is_replaced() -> None:
         assert not shares_ngram(filler, span, K // 2)
 
 
+@pytest.mark.slow
 def test_windows_are_deterministic_and_never_depend_on_the_model() -> None:
     a = make_windows(stream(), 8, 60, K, V, [0], seed=5)
     b = make_windows(stream(), 8, 60, K, V, [0], seed=5)
@@ -255,6 +257,7 @@ def test_windows_are_deterministic_and_never_depend_on_the_model() -> None:
     assert again["windows_sha256"] == one["windows_sha256"]
 
 
+@pytest.mark.slow
 def test_cells_past_learned_positions_are_left_out_on_the_same_windows() -> None:
     torch.manual_seed(0)
     short = posbench.create_model("learned", flavour="tiny", vocab_size=V, method_options={"max_positions": 48}).eval()
@@ -381,6 +384,7 @@ def test_merge_keeps_other_probe_entries() -> None:
     assert merge_probe_entries(old, new) == [old[1], new[0]]
 
 
+@pytest.mark.slow
 def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
@@ -443,6 +447,7 @@ def fake_probe_entry(gain: float, windows: str = "w64", num_windows: int = 64, m
     return entry
 
 
+@pytest.mark.slow
 def test_the_gain_figure_keeps_its_legend_off_both_panels() -> None:
     """24 groups (a full sweep and the window baseline): the legend sits right of the panels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -504,6 +509,7 @@ def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -
     assert "| rope (validation, windows=other) | 1 | 8 | 64 |" in table and "k - 1 tokens" in table
 
 
+@pytest.mark.slow
 def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, monkeypatch) -> None:
     """``posbench eval probes_only=true``: the copy probe on a finished run without re-running its
     loss curves; the run's eval entries (its headline) stay byte for byte; without a probe named

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import QUICK_TRAIN, compose_config
 from omegaconf import OmegaConf
 
-from conftest import QUICK_TRAIN, compose_config
 from posbench.checkpoint import list_checkpoints, read_checkpoint
 from posbench.errors import PosbenchError
 from posbench.resume import check_resumable
@@ -48,6 +48,7 @@ def evaluate(run_dir: Path, log=lambda _: None) -> dict:
 # ----------------------------------------------------------------------------- High 1
 
 
+@pytest.mark.slow
 def test_a_run_stopped_after_its_final_checkpoint_is_finished_by_the_next_start(tmp_path):
     with pytest.raises(PosbenchError):  # training succeeds, the final evaluation fails
         run_train(tmp_path, "method=rope", "eval.lengths=[1000000]")
@@ -59,6 +60,7 @@ def test_a_run_stopped_after_its_final_checkpoint_is_finished_by_the_next_start(
     assert status_of(tmp_path)["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_posbench_eval_finishes_a_run_that_has_no_results_yet(tmp_path):
     with pytest.raises(PosbenchError):
         run_train(tmp_path, "method=alibi", "eval.lengths=[1000000]")
@@ -78,6 +80,7 @@ def test_posbench_eval_refuses_a_run_with_steps_left_to_train(tmp_path):
 # ----------------------------------------------------------------------------- High 2
 
 
+@pytest.mark.slow
 def test_a_refused_resume_leaves_the_runs_record_and_counts_as_failed(tmp_path):
     from posbench.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
 
@@ -105,6 +108,7 @@ def test_a_second_training_into_a_locked_run_directory_is_refused(tmp_path):
     assert not (tmp_path / "status.json").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     holder = subprocess.run(
         [sys.executable, "-c", "import os, signal, sys; from posbench.rundir import RunLock; "
@@ -145,6 +149,7 @@ def test_resume_refuses_a_change_of_randomized_positions(tmp_path):
 # ----------------------------------------------------------------------------- Medium 6
 
 
+@pytest.mark.slow
 def test_a_damaged_results_json_is_quarantined_and_recomputed(tmp_path):
     first = run_train(tmp_path, "method=alibi")
     (tmp_path / "results.json").write_text('{"schema_version": 1, "meth')
@@ -157,6 +162,7 @@ def test_a_damaged_results_json_is_quarantined_and_recomputed(tmp_path):
     assert evaluate(tmp_path)["eval"][0]["bands"] == pytest.approx(first["eval"][0]["bands"])
 
 
+@pytest.mark.slow
 def test_a_damaged_metrics_line_does_not_break_resume(tmp_path):
     interrupted_run(tmp_path, "method=nope")
     metrics = tmp_path / "metrics.jsonl"
@@ -172,6 +178,7 @@ def test_a_damaged_metrics_line_does_not_break_resume(tmp_path):
 # ----------------------------------------------------------------------------- Medium 8
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_overwritten_bytes_is_caught_and_the_previous_one_used(tmp_path):
     interrupted_run(tmp_path, "method=rope", "trainer.checkpoint_every_steps=2")
     newest = list_checkpoints(tmp_path)[-1]
@@ -187,6 +194,7 @@ def test_a_checkpoint_with_overwritten_bytes_is_caught_and_the_previous_one_used
     assert any("sha256" in line for line in lines), lines
 
 
+@pytest.mark.slow
 def test_token_ids_past_the_vocabulary_are_refused_when_the_data_is_opened(tmp_path):
     import numpy as np
 
@@ -238,6 +246,7 @@ def test_out_of_memory_and_a_full_disk_end_in_one_line(tmp_path, monkeypatch, er
 # ----------------------------------------------------------------------------- Low
 
 
+@pytest.mark.slow
 def test_stray_temporary_files_of_a_killed_write_are_removed_at_the_next_start(tmp_path):
     interrupted_run(tmp_path, "method=nope")
     stray = [tmp_path / "checkpoints" / ".tmp-step_00000006.pt.x1y2", tmp_path / ".tmp-results.json.abcd"]
@@ -250,6 +259,7 @@ def test_stray_temporary_files_of_a_killed_write_are_removed_at_the_next_start(t
 # ----------------------------------------------------------------------------- issue 8 item 4
 
 
+@pytest.mark.slow
 def test_validation_also_scores_the_band_past_the_training_context(tmp_path, monkeypatch):
     import posbench.loggers
 

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import QUICK_TRAIN
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
@@ -46,6 +45,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     ("viz", ["method=rope", "model=tiny", "out={file}"], "out"),
     ("plot", ["runs=[{folder}]", "out={file}"], "out"),
 ])
+@pytest.mark.slow
 def test_an_output_folder_naming_an_existing_file_is_one_line(tmp_path, command, args, key):
     file = tmp_path / "a_file"
     file.write_text("keep me\n")
@@ -58,6 +58,7 @@ def test_an_output_folder_naming_an_existing_file_is_one_line(tmp_path, command,
 # ----------------------------------------------------------------------------- items 10 and 12
 
 
+@pytest.mark.slow
 def test_a_start_refused_by_the_lock_leaves_nothing_in_the_run(tmp_path):
     """Hydra used to write .hydra/ (and append to train.log) before posbench took the lock."""
     from posbench.rundir import RunLock
@@ -80,6 +81,7 @@ def test_a_start_refused_by_the_lock_leaves_nothing_in_the_run(tmp_path):
     assert {k: v for k, v in held.items() if k != ".posbench.pid"} == before
 
 
+@pytest.mark.slow
 def test_a_config_typo_leaves_no_run_directory(tmp_path):
     line = one_error_line(posbench_cli("train", *QUICK_TRAIN, "trainer.lr=abc", cwd=tmp_path), "train")
     assert "trainer.lr must be a number, got 'abc'" in line
@@ -89,6 +91,7 @@ def test_a_config_typo_leaves_no_run_directory(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_a_config_typo_in_an_existing_folder_is_recorded_there(tmp_path):
     """A folder that was there before the start is not removed: the failure is recorded in it."""
     one_error_line(posbench_cli("train", *QUICK_TRAIN, "trainer.lr=abc", f"hydra.run.dir={tmp_path}"), "train")
@@ -145,13 +148,14 @@ def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_che
     status.json, which already exists."""
     import tempfile
 
+    from conftest import compose_config
+
     import posbench.checkpoint
     import posbench.io
     from posbench.checkpoint import list_checkpoints, read_checkpoint
     from posbench.errors import PosbenchError
     from posbench.runlog import HydraRecord
     from posbench.train import train
-    from conftest import compose_config
 
     real_save, real_mkstemp, saves = posbench.checkpoint.torch.save, tempfile.mkstemp, []
 
@@ -236,6 +240,7 @@ def test_the_log_file_keeps_lines_until_the_run_is_held_and_never_writes_dropped
 
 def test_a_config_error_next_to_a_run_another_process_holds_writes_nothing_there(tmp_path):
     from conftest import compose_config
+
     from posbench.errors import PosbenchError
     from posbench.results import write_status
     from posbench.rundir import RunLock

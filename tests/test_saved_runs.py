@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import QUICK_TRAIN, compose_config
+
 from posbench.checkpoint import checksum_path, list_checkpoints
 from posbench.errors import PosbenchError
 from posbench.io import file_sha256
@@ -73,6 +73,7 @@ def old_t5_run(old_t5_once: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(old_t5_once, tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_a_t5_run_from_before_bias_scale_is_rebuilt_with_the_unscaled_bias(old_t5_run):
     from posbench.runs import load_run
 
@@ -119,6 +120,7 @@ def bf16_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_eval_records_the_precision_it_resolved_and_compares_with_the_runs(bf16_run, monkeypatch):
     import posbench.hardware as hardware
 
@@ -133,6 +135,7 @@ def test_eval_records_the_precision_it_resolved_and_compares_with_the_runs(bf16_
     assert variant["variant"] == "precision=fp32" and variant["precision"] == "fp32"
 
 
+@pytest.mark.slow
 def test_an_auto_run_of_unknown_precision_is_never_the_same(bf16_run):
     results = results_of(bf16_run)
     del results["environment"]  # results.json from before posbench recorded what auto resolved to
@@ -148,6 +151,7 @@ def test_an_auto_run_of_unknown_precision_is_never_the_same(bf16_run):
     (["method=alibi"], "method=rope, not method=alibi"),  # refused by the resume check
     (["method=rope", "trainer.lr=abc"], "trainer.lr"),  # refused before the lock
 ])
+@pytest.mark.slow
 def test_a_refused_start_leaves_the_runs_hydra_record_and_log(tmp_path, overrides, message):
     from posbench.runlog import DeferredFileHandler, HydraRecord
 
@@ -185,6 +189,7 @@ def test_a_failed_start_in_a_fresh_directory_keeps_its_hydra_record(tmp_path):
 # ----------------------------------------------------------------------------- item 12
 
 
+@pytest.mark.slow
 def test_posbench_eval_finishes_a_run_recorded_with_a_data_path_its_source_ignores(tmp_path):
     run_dir = tmp_path / "run"
     bands = run_train(run_dir, "method=nope")["eval"][0]["bands"]

@@ -65,6 +65,7 @@ def test_bootstrap_interval_explicit_loop() -> None:
     assert got.low == pytest.approx(quantile(0.025)) and got.high == pytest.approx(quantile(0.975))
 
 
+@pytest.mark.slow
 def test_bootstrap_close_to_the_normal_interval_for_many_values() -> None:
     values = np.random.default_rng(2).normal(0.0, 1.0, 2000)
     got = bootstrap_interval(values)

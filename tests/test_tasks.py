@@ -10,12 +10,10 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import compose_config
 
 from posbench.errors import PosbenchError
@@ -25,7 +23,7 @@ from posbench.results import RunRecord
 from posbench.settings import EvalConfig, from_section
 from posbench.spec import build_spec
 from posbench.stats import bootstrap_interval
-from posbench.tasks import IGNORE, TEST, TRAIN, VALID, TaskBatches, list_tasks, make_task
+from posbench.tasks import IGNORE, TEST, VALID, TaskBatches, list_tasks, make_task
 from posbench.tasks.evaluate import answer_scores, evaluate_task, task_entry
 from posbench.tasks.report import interval, task_tables
 from posbench.train import train
@@ -231,6 +229,7 @@ def test_entries_bucket_answers_by_position_past_c():
     assert entry["accuracy"]["kind"] == "bootstrap" and entry["accuracy"]["n"] == len(entry["sequence_accuracy"])
 
 
+@pytest.mark.slow
 def test_a_tiny_model_learns_flipflop_at_c():
     """About 10-20 s on one core: 150 steps of a d_model 32 model at C = 32."""
     t = task("flipflop")
@@ -265,6 +264,7 @@ def test_every_method_trains_on_a_task_and_is_evaluated_up_to_8c(method):
         assert e["answers"] > 0 and 0.0 <= e["accuracy"]["mean"] <= 1.0 and math.isfinite(e["loss"])
 
 
+@pytest.mark.slow
 def test_randomized_positions_and_the_window_baseline_train_on_a_task(tmp_path):
     """positions.randomize_max and model.attention_window reach a task run as a text run: the
     run is labelled rope+rand<N> and the model records its window."""
@@ -338,6 +338,7 @@ QUICK_TASK = ["logger=none", "trainer.context=32", "trainer.max_steps=4", "train
               "eval.batch_size=8"]
 
 
+@pytest.mark.slow
 def test_cli_trains_a_task_and_plots_two_runs(tmp_path):
     runs = [tmp_path / f"s{seed}" for seed in (0, 1)]
     learnt = "task.learnt_at_c=0"  # 4 steps learn nothing: let the gate pass both seeds into the tables
@@ -394,6 +395,7 @@ def test_a_run_refuses_bad_task_settings_before_any_work():
     assert "a task run's seed must be >= 0" in refusal("seed=-3")
 
 
+@pytest.mark.slow
 def test_the_training_loss_does_not_depend_on_the_micro_batching(tmp_path):
     """Micro-batches hold unequal numbers of answers: the mean of their means is not the batch's
     mean over answers, so trainer.micro_batch_size (a memory setting) changed the objective."""
@@ -408,6 +410,7 @@ def test_the_training_loss_does_not_depend_on_the_micro_batching(tmp_path):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
 
 
+@pytest.mark.slow
 def test_a_stopped_task_run_resumes_to_the_uninterrupted_result(tmp_path):
     from posbench.runs import evaluate_saved_run
     from posbench.train import TrainingInterrupted

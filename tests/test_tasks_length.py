@@ -13,7 +13,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from conftest import compose_config
 
 from posbench.errors import PosbenchError
@@ -288,6 +287,7 @@ def test_a_method_with_no_learnt_seed_has_no_average(tmp_path):
 # ----------------------------------------------------------------------------- plot
 
 
+@pytest.mark.slow
 def test_plot_skips_a_task_run_with_nan_accuracies(tmp_path):
     good = tmp_path / "runs" / "good"
     cfg = compose_config("train", ["task=flipflop", "method=alibi", *QUICK])

@@ -4,13 +4,12 @@ values, N fixed across lengths, power-law gaps, the baselines, and the length ch
 from __future__ import annotations
 
 import csv
-import json
 import io
+import json
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import compose_config
 
 from posbench.errors import PosbenchError

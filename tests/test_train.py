@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import QUICK_TRAIN, compose_config
+
 from posbench.checkpoint import list_checkpoints, read_checkpoint
 from posbench.errors import PosbenchError
 from posbench.optim import lr_lambda
@@ -47,6 +47,7 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     assert json.loads((tmp_path / "status.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_real_structure(tmp_path):
     run_train(tmp_path, "method=alibi", "trainer.max_steps=40", "trainer.lr=3e-3")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -54,6 +55,7 @@ def test_loss_decreases_on_real_structure(tmp_path):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resumed_run_reproduces_the_uninterrupted_run(tmp_path, precision):
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -72,10 +74,12 @@ def test_resumed_run_reproduces_the_uninterrupted_run(tmp_path, precision):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    losses = lambda d: [json.loads(l).get("loss") for l in (d / "metrics.jsonl").read_text().splitlines()]
+    def losses(d):
+        return [json.loads(l).get("loss") for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert losses(straight) == losses(split)
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
     with pytest.raises(TrainingInterrupted):
         run_train(tmp_path, "method=nope", "trainer.checkpoint_every_steps=2", "trainer.stop_after_steps=4")
@@ -132,6 +136,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert f(100) == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes(tmp_path):
     """A real signal to a real training process (what SLURM does before preemption)."""
     run_dir = tmp_path / "run"
@@ -140,7 +145,7 @@ def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes(tmp_path):
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     metrics = run_dir / "metrics.jsonl"
-    for line in proc.stdout:  # wait until training really runs
+    for _line in proc.stdout:  # wait until training really runs
         if metrics.exists() and metrics.read_text().count("\n") >= 3:
             break
     proc.send_signal(signal.SIGTERM)
@@ -155,6 +160,7 @@ def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes(tmp_path):
     assert results["train"]["resumed_from_step"] == step
 
 
+@pytest.mark.slow
 def test_resume_from_an_explicit_run_directory(tmp_path):
     original, elsewhere = tmp_path / "original", tmp_path / "new-invocation"
     with pytest.raises(TrainingInterrupted):
@@ -165,6 +171,7 @@ def test_resume_from_an_explicit_run_directory(tmp_path):
     assert (original / "results.json").exists() and not (elsewhere / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_resume_false_refuses_to_overwrite_a_run(tmp_path):
     run_train(tmp_path, "method=nope")
     with pytest.raises(PosbenchError, match="already has checkpoints"):
@@ -178,6 +185,7 @@ def test_resuming_another_methods_run_is_refused(tmp_path):
         run_train(tmp_path, "method=alibi")
 
 
+@pytest.mark.slow
 def test_relaunching_a_finished_run_leaves_its_results_alone(tmp_path):
     first = run_train(tmp_path, "method=alibi")
     before = (tmp_path / "results.json").read_text()
@@ -188,6 +196,7 @@ def test_relaunching_a_finished_run_leaves_its_results_alone(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == metrics_before
 
 
+@pytest.mark.slow
 def test_learned_rows_past_the_training_context_stay_at_their_initialisation(tmp_path):
     import posbench
 
@@ -212,6 +221,7 @@ def test_resuming_with_a_different_seed_or_batch_is_refused(tmp_path):
         run_train(tmp_path, "method=rope", "trainer.batch_size=8")
 
 
+@pytest.mark.slow
 def test_eval_split_train_reproduces_the_seed_measurement(tmp_path):
     results = run_train(tmp_path, "method=rope", "eval.split=train")
     assert results["eval"][0]["split"] == "train"
@@ -222,6 +232,7 @@ def test_results_record_the_software_versions(tmp_path):
     assert results["versions"]["torch"] == torch.__version__ and results["versions"]["posbench"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native", [True, False])
 def test_runs_record_the_precision_they_resolved(tmp_path, monkeypatch, native):
     """Issue 21 item 3: trainer.precision=auto is recorded as what it resolved to, with the
@@ -275,6 +286,7 @@ def test_cpu_allocator_tuning_leaves_a_users_allocator_choice_alone():
     assert tune_cpu_allocator(preloaded) is False and "MALLOC_MMAP_THRESHOLD_" not in preloaded
 
 
+@pytest.mark.slow
 def test_cpu_allocator_tuning_applies_here_and_to_child_processes():
     import platform
 
@@ -289,6 +301,7 @@ def test_cpu_allocator_tuning_applies_here_and_to_child_processes():
     assert out.split() == ["True", str(32 * 2**20), str(256 * 2**20)]
 
 
+@pytest.mark.slow
 def test_a_run_resumed_at_its_final_step_logs_one_final_validation_row(tmp_path):
     run_train(tmp_path, "method=rope", "trainer.val_every=3")
     (tmp_path / "results.json").unlink()  # killed during the final evaluation, after its validation

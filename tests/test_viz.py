@@ -3,7 +3,6 @@ command end to end (method=<name> without training, run=<tiny trained run>, a sw
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -11,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import QUICK_TRAIN, compose_config
 
 import posbench
-
-from conftest import QUICK_TRAIN, compose_config
-from posbench.methods import ModelDims, build_method
-from posbench.model import ModelConfig, build_model
 from posbench.errors import PosbenchError
 from posbench.loggers import wandb_run_id
+from posbench.methods import ModelDims, build_method
+from posbench.model import ModelConfig, build_model
 from posbench.viz import (
     attention_entropy,
     cosine_similarity_matrix,
@@ -158,6 +156,7 @@ def posbench_cli(*args: str, check: bool = True):
     return proc
 
 
+@pytest.mark.slow
 def test_viz_method_cli_needs_no_training(tmp_path):
     out = tmp_path / "sin"
     proc = posbench_cli("viz", "method=sinusoidal", f"out={out}", "formats=[png,svg]")
@@ -177,6 +176,7 @@ def test_viz_method_of_a_wrapper_whose_base_option_names_a_method(tmp_path):
     assert written == [tmp_path / "ssmax" / "qk_decay.png"]
 
 
+@pytest.mark.slow
 def test_viz_is_a_listed_command_and_errors_are_one_line(tmp_path):
     from posbench.cli import usage
     from posbench.errors import PosbenchError
@@ -207,6 +207,7 @@ def trained_sweep(tmp_path_factory) -> Path:
     return sweep
 
 
+@pytest.mark.slow
 def test_viz_run_cli(trained_sweep, tmp_path):
     run = trained_sweep / "0_learned-s0"
     posbench_cli("viz", f"run={run}", "attention.num_sequences=2")
@@ -216,6 +217,7 @@ def test_viz_run_cli(trained_sweep, tmp_path):
         assert (out / f"{stem}.png").stat().st_size > 1000, stem
 
 
+@pytest.mark.slow
 def test_viz_sweep_overview_and_content_dependent_score(trained_sweep, tmp_path):
     out = tmp_path / "viz"
     cfg = compose_config("viz", [f"run={trained_sweep}", f"out={out}", "attention.num_sequences=2",
@@ -226,6 +228,7 @@ def test_viz_sweep_overview_and_content_dependent_score(trained_sweep, tmp_path)
     assert not (out / "0_learned-s0" / "score_terms.png").exists()
 
 
+@pytest.mark.slow
 def test_figures_go_to_the_runs_wandb_run(tmp_path, monkeypatch):
     """Offline: the figures are logged by resuming the W&B run id recorded in the run dir."""
     from omegaconf import OmegaConf
@@ -254,6 +257,7 @@ def test_figures_go_to_the_runs_wandb_run(tmp_path, monkeypatch):
     assert not log_to_wandb(tmp_path / "elsewhere", config, written, messages.append)
 
 
+@pytest.mark.slow
 def test_sweep_callback_adds_the_viz_pictures(trained_sweep):
     from omegaconf import OmegaConf
 
@@ -265,6 +269,7 @@ def test_sweep_callback_adds_the_viz_pictures(trained_sweep):
     assert (trained_sweep / "comparison" / "loss_by_position.png").is_file()  # posbench plot's, as before
 
 
+@pytest.mark.slow
 def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypatch):
     """Issue 21 item 12: rope's q.k decay comes from its definition, so naming the run's step
     (``rope, step 400``) misleads; a method with trained q/k parameters keeps the step."""
@@ -283,6 +288,7 @@ def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypat
     assert "step" not in title.split("\n")[0] and "analytic" in title and title.startswith("rope")
 
 
+@pytest.mark.slow
 def test_viz_of_a_task_run_draws_attention_on_its_task_sequences(tmp_path, monkeypatch):
     """A task run (task=flipflop) has no text: viz asked the hub for TinyStories and told the
     user to use data=sample. Its attention is now measured on the task's own held-out sequences."""

@@ -37,8 +37,8 @@ class IsolatedJoblibLauncher(JoblibLauncher):
     """``n_jobs`` jobs at a time, each in its own process; a killed job fails alone."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from joblib import effective_n_jobs
         import cloudpickle
+        from joblib import effective_n_jobs
 
         assert self.config is not None and self.task_function is not None and self.hydra_context is not None
         setup_globals()

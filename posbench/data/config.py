@@ -104,7 +104,7 @@ class DataConfig:
     a RetrievalConfig once validated. Never part of the token cache: the cache stays plain."""
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any] | Any) -> "DataConfig":
+    def from_dict(cls, values: dict[str, Any] | Any) -> DataConfig:
         """Build from a dict or DictConfig, rejecting unknown keys with the list of valid ones."""
         if not isinstance(values, dict):
             from omegaconf import OmegaConf
@@ -133,7 +133,7 @@ class DataConfig:
         """Absolute cache root (``~`` expanded, relative paths from the launch directory)."""
         return Path(absolute_path(self.cache_dir or _default_cache_dir()))
 
-    def validate(self) -> "DataConfig":
+    def validate(self) -> DataConfig:
         """Raise :class:`PosbenchError` naming the fix for any bad value; return self."""
         if self.source not in SOURCES:
             raise PosbenchError(
@@ -169,7 +169,7 @@ class DataConfig:
             )
         return self
 
-    def check_path_is_read(self) -> "DataConfig":
+    def check_path_is_read(self) -> DataConfig:
         """Refuse a ``path`` that this source would ignore (data=sample, as in
         experiment=cpu_quick, would otherwise train on the sample without a word). Checked where
         data is chosen (train, prepare), not when an existing run's recorded config is read back."""

@@ -60,7 +60,7 @@ class PreparedData:
     _tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def open(cls, dir: str | os.PathLike, verify: bool = False) -> "PreparedData":
+    def open(cls, dir: str | os.PathLike, verify: bool = False) -> PreparedData:
         """Open and check a cache dir (meta parses, file sizes match token counts; with
         ``verify`` also the sha256 of each file). A bad cache raises :class:`PosbenchError`."""
         d = Path(dir)
@@ -87,7 +87,7 @@ class PreparedData:
         try:
             itemsize = np.dtype(meta["dtype"]).itemsize
             present = [s for s in SPLIT_FILES if s in REQUIRED_SPLITS or s in meta["splits"]]
-            for split, info in ((s, meta["splits"][s]) for s in present):
+            for _split, info in ((s, meta["splits"][s]) for s in present):
                 path = d / info["file"]
                 if not path.is_file():
                     raise corrupt(f"{info['file']} missing")

@@ -11,7 +11,6 @@ import inspect
 from typing import Any
 
 from posbench.errors import PosbenchError
-from posbench.settings import coerce_value
 from posbench.methods.base import (
     DenseScore,
     InputTable,
@@ -27,6 +26,7 @@ from posbench.methods.base import (
     needs,
     position_at,
 )
+from posbench.settings import coerce_value
 
 _REGISTRY: dict[str, type[PositionMethod]] = {}
 

@@ -270,7 +270,7 @@ class Rotary:
     base: float
     rotary_dim: int
 
-    def with_frequencies(self, inv_freq: Tensor) -> "PositionMethod":
+    def with_frequencies(self, inv_freq: Tensor) -> PositionMethod:
         """A copy of this method rotating by ``inv_freq`` (R/2,); parameters are shared, this
         module is never changed. Methods whose own frequencies pin some pairs (zeros) keep them."""
         inv_freq = inv_freq.to(self.inv_freq.device)

@@ -20,7 +20,6 @@ channels (with query channels of 1), so fox runs in fused SDPA (flash) without a
 equal to the default to fp32 rounding (docs/benchmarks.md).
 """
 
-import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn

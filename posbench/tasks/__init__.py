@@ -6,7 +6,17 @@ evaluation (:mod:`posbench.tasks.evaluate`), a task run's workload for the train
 
 from posbench.tasks import generators  # noqa: F401  (registers the built-in tasks)
 from posbench.tasks.base import (
-    IGNORE, TEST, TRAIN, VALID, Batch, Task, TaskBatches, answer_share, list_tasks, make_task, register_task,
+    IGNORE,
+    TEST,
+    TRAIN,
+    VALID,
+    Batch,
+    Task,
+    TaskBatches,
+    answer_share,
+    list_tasks,
+    make_task,
+    register_task,
 )
 
 __all__ = ["Batch", "IGNORE", "TEST", "TRAIN", "Task", "TaskBatches", "VALID", "answer_share", "list_tasks",

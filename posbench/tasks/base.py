@@ -39,10 +39,10 @@ EVALUATION_OPTIONS = ("tests", "learnt_at_c")
 """Task options that change the evaluation only, not the training data: left out of the resume
 check (a run may be resumed, or re-evaluated, with other test sets)."""
 
-_TASKS: dict[str, type["Task"]] = {}
+_TASKS: dict[str, type[Task]] = {}
 
 
-def register_task(cls: type["Task"]) -> type["Task"]:
+def register_task(cls: type[Task]) -> type[Task]:
     """Class decorator: make a task available as ``task=<cls.name>``."""
     _TASKS[cls.name] = cls
     return cls
@@ -52,7 +52,7 @@ def list_tasks() -> list[str]:
     return list(_TASKS)
 
 
-def task_class(name: str) -> type["Task"] | None:
+def task_class(name: str) -> type[Task] | None:
     """The registered task ``name`` (None when unknown), for reading saved runs."""
     return _TASKS.get(name)
 
