@@ -12,21 +12,39 @@ interval that excludes 0. This is what the README's "Context extension" example 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from posbench.cli import run_script
 from posbench.compare import band_key
-from posbench.results import RunRecord, entry_extension
+from posbench.errors import PosbenchError
+from posbench.results import RunRecord, entry_extension, read_results
 from posbench.stats import bootstrap_interval
 
 
-def main(run_dir: str, variant: str | None = None) -> str:
-    results = json.loads((Path(run_dir) / "results.json").read_text())
+def load(run_dir: str, variant: str | None) -> list[dict]:
+    """The run's validation entries (of ``variant``), or one line naming what is wrong."""
+    try:
+        results = read_results(run_dir)
+    except (OSError, json.JSONDecodeError, ValueError) as err:
+        raise PosbenchError(f"{run_dir} has no readable results.json ({type(err).__name__}); "
+                            "give the directory of a finished run") from None
     if variant:  # the entries posbench eval kept under this eval_variants label
-        results = RunRecord(Path(run_dir), results).variant(variant).results
+        try:
+            results = RunRecord(Path(run_dir), results).variant(variant).results
+        except (KeyError, ValueError, PosbenchError):
+            known = ", ".join(sorted({e.get("variant", "") for e in results.get("eval_variants", [])})) or "none"
+            raise PosbenchError(f"{run_dir} has no eval variant {variant!r} (it has: {known})") from None
     entries = [e for e in results["eval"] if e["split"] == "validation"]
+    if not any(entry_extension(e) == "none" for e in entries):
+        raise PosbenchError(f"{run_dir} has no plain (extension none) validation entry to compare against; "
+                            "evaluate it with posbench eval run=<dir> 'eval.extension=[none,...]'")
+    return entries
+
+
+def main(run_dir: str, variant: str | None = None) -> str:
+    entries = load(run_dir, variant)
     bands = sorted({b for e in entries for b in e["bands"]}, key=band_key)
     # band -> the shortest length containing it
     home = {b: min(e["length"] for e in entries if b in e["bands"]) for b in bands}
@@ -53,5 +71,12 @@ def main(run_dir: str, variant: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def cli(argv: list[str]) -> int:
+    if not 1 <= len(argv) <= 2:
+        raise PosbenchError("usage: python scripts/extension_table.py <run dir> [<eval variant, e.g. num_sequences=64>]")
+    print(main(*argv))
+    return 0
+
+
 if __name__ == "__main__":
-    print(main(*sys.argv[1:3]))
+    run_script("extension_table", cli)

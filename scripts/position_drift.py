@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import argparse
 import csv
-import sys
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from posbench.checkpoint import list_checkpoints, read_checkpoint
+from posbench.cli import run_script
+from posbench.errors import PosbenchError
 from posbench.methods.base import ParameterDrift
 from posbench.model import build_model
 from posbench.train import build_spec, seed_everything
 
 
 def drift_rows(run_dir: Path, extra: list[Path]) -> list[dict]:
+    if not (run_dir / "config.yaml").is_file():
+        raise PosbenchError(f"{run_dir} has no config.yaml; give the directory of a posbench run")
+    missing = [str(p) for p in extra if not p.is_file()]
+    if missing:
+        raise PosbenchError(f"no checkpoint file {', '.join(missing)}")
     spec = build_spec(OmegaConf.load(run_dir / "config.yaml"))
     seed_everything(spec.seed)
     model = build_model(spec.model, spec.method, spec.method_options)  # the seed's initialisation
@@ -48,6 +54,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args(argv)
     rows = drift_rows(args.run_dir, args.checkpoints)
+    if not rows:
+        raise PosbenchError(f"{args.run_dir} has no checkpoints (checkpoints/step_*.pt) and none were named")
     for row in rows:
         print(row)
     if args.csv:
@@ -58,4 +66,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script("position_drift", main)
