@@ -95,7 +95,7 @@ def test_readme_keeps_the_ci_test_command():
 
 
 def test_readme_is_a_front_door():
-    # Reference material lives in docs/; the README stays short (issue 22: at most ~350 lines).
+    # Reference material lives in docs/; the README stays short (at most ~350 lines).
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 360
 
 
