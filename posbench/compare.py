@@ -109,7 +109,7 @@ def run_facets(run: RunRecord) -> dict[str, Any]:
     """What identifies a run's experiment besides its seed, flattened to ``name: value``: two
     runs belong to one group exactly when these agree. A value a run does not record is
     ``ABSENT`` (shown as ``unknown``), a value recorded as null is None (shown as ``none``)."""
-    # Options the run does not record take the value they had then (t5's bias_scale before issue 23).
+    # Options the run does not record take the value they had then (t5's bias_scale before it existed: 1.0).
     options = saved_options(run.method, run.results.get("method_options") or {})
     model = {k: v for k, v in (run.results.get("model") or {}).items() if k not in _MODEL_RESULT_KEYS}
     facets: dict[str, Any] = {str(k): v for k, v in sorted(options.items())}

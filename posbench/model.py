@@ -360,7 +360,7 @@ def build_model(cfg: ModelConfig, method: str, method_options: dict[str, Any] | 
     dims = cfg.dims
     # Same seed, same body: every method consumes exactly one draw of the global RNG here and
     # builds its own parameters from a generator seeded by it, so the token embedding, blocks
-    # and LM head that follow are bitwise identical across methods (issue 8).
+    # and LM head that follow are bitwise identical across methods.
     method_seed = int(torch.randint(0, 2**62, (), device="cpu"))  # cpu: also under a meta-device probe
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(method_seed)

@@ -1,6 +1,6 @@
 """results.json, status.json and metrics.jsonl: writing, reading and finding runs.
 
-A run directory (see DESIGN.md) holds ``config.yaml``, ``metrics.jsonl``, ``status.json``,
+A run directory (docs/run-directory.md) holds ``config.yaml``, ``metrics.jsonl``, ``status.json``,
 ``results.json`` (only when completed), ``checkpoints/`` and ``figures/``. Everything here that
 reads runs is tolerant: a crashed, running or corrupt run becomes a *problem* with a reason, never
 an exception, so one bad run cannot hide the results of the others.

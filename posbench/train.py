@@ -449,7 +449,7 @@ class Trainer:
                                               self.amp_dtype)
         row.update(values)
         logged.update({"val/" + name.removeprefix("val_"): value for name, value in values.items()})
-        drift = self.position_drift.metrics()  # position/<param>/norm and /move (issue 23)
+        drift = self.position_drift.metrics()  # position/<param>/norm and /move (docs/fidelity.md)
         row.update(drift)
         logged.update(drift)
         if not self.rundir.validation_logged(step):  # a run resumed at its final step validates it again

@@ -1,4 +1,4 @@
-"""Does the ranking of methods settle as training gets longer? (issue 23, item 3)
+"""Does the ranking of methods settle as training gets longer? (docs/fidelity.md)
 
     python scripts/budget_check.py SHORT/bands.csv LONG/bands.csv [--bands 0-256,256-512] [--labels a,b]
 

@@ -1,4 +1,4 @@
-"""Re-run issue 14's fault list (the cases of the i14b branch) and print a markdown table.
+"""Re-run the fault list (kills, clashes and bad input on tiny models) and print a markdown table.
 
     .venv/bin/python scripts/fault_list.py > docs/faults.md
 
@@ -154,22 +154,22 @@ def path_with_spaces(tmp: Path) -> tuple[str, str]:
 
 
 CASES: list[tuple[str, str, Callable[[Path], tuple[str, str]]]] = [
-    ("M5", "one joblib job SIGKILLed mid-training (3 jobs, n_jobs=2)", killed_joblib_job),
-    ("M7", "two `posbench eval` of one run at once (lengths 96 and 128)", concurrent_evals),
-    ("8.7", "`posbench eval` after the training text changed; then with the cache deleted", text_changed_eval),
-    ("Low", "`method.base=abc`", train_refusal("method.base must be a number", "method=rope", "method.base=abc")),
-    ("Low", "`method.num_buckets=abc`", train_refusal("method.num_buckets must be an integer", "method=t5",
+    ("kill", "one joblib job SIGKILLed mid-training (3 jobs, n_jobs=2)", killed_joblib_job),
+    ("clash", "two `posbench eval` of one run at once (lengths 96 and 128)", concurrent_evals),
+    ("stale data", "`posbench eval` after the training text changed; then with the cache deleted", text_changed_eval),
+    ("bad input", "`method.base=abc`", train_refusal("method.base must be a number", "method=rope", "method.base=abc")),
+    ("bad input", "`method.num_buckets=abc`", train_refusal("method.num_buckets must be an integer", "method=t5",
                                                      "method.num_buckets=abc")),
-    ("Low", "`method.interleaved=maybe`", train_refusal("must be true or false", "method=rope", "method.interleaved=maybe")),
-    ("Low", "`+optimizer=adam`", train_refusal("unknown key(s) optimizer", "+optimizer=adam")),
-    ("Low", "`debug=maybe`", train_refusal("debug must be true or false", "debug=maybe")),
-    ("Low", "a .txt file without `<|endoftext|>` separators", no_separator_file),
-    ("Low", "`method=glob(xyz*)` matching no method", empty_glob),
-    ("Low", "`posbench eval eval.lengths=[16]` below the training context (32)", eval_below_context),
-    ("Low", "`posbench train eval.lengths=[48]` at context 32 (no headline band)",
+    ("bad input", "`method.interleaved=maybe`", train_refusal("must be true or false", "method=rope", "method.interleaved=maybe")),
+    ("bad input", "`+optimizer=adam`", train_refusal("unknown key(s) optimizer", "+optimizer=adam")),
+    ("bad input", "`debug=maybe`", train_refusal("debug must be true or false", "debug=maybe")),
+    ("bad input", "a .txt file without `<|endoftext|>` separators", no_separator_file),
+    ("bad input", "`method=glob(xyz*)` matching no method", empty_glob),
+    ("bad input", "`posbench eval eval.lengths=[16]` below the training context (32)", eval_below_context),
+    ("bad input", "`posbench train eval.lengths=[48]` at context 32 (no headline band)",
      train_refusal("no length >= 2 x trainer.context", "eval.lengths=[48]")),
-    ("Low", "`posbench plot` over a run with status running and an old results.json", plot_skips_running),
-    ("Low", "unquoted path with spaces, `run=/tmp/.../my runs/x`", path_with_spaces),
+    ("bad input", "`posbench plot` over a run with status running and an old results.json", plot_skips_running),
+    ("bad input", "unquoted path with spaces, `run=/tmp/.../my runs/x`", path_with_spaces),
 ]
 
 
@@ -187,11 +187,11 @@ def main() -> None:
         detail = detail.replace("|", "\\|").replace(tmp, "<tmp>")
         rows.append(f"| {item} | {case} | **{outcome}** | {detail} | {seconds:.0f} |")
         print(f"{outcome:16s} {case}", file=sys.stderr)
-    print("# Fault list re-run (issue 14, i14b's cases; issue 8 item 7)\n")
+    print("# Fault list re-run\n")
     print("Made by `.venv/bin/python scripts/fault_list.py > docs/faults.md`: every case runs the real "
           "`posbench` command on a tiny CPU model. Each case also has a regression test in "
           "`tests/test_faults.py`.\n")
-    print("| item | case | outcome | what the user gets | s |\n|---|---|---|---|---:|")
+    print("| kind | case | outcome | what the user gets | s |\n|---|---|---|---|---:|")
     print("\n".join(rows))
     print("\n" + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) + f" ({len(rows)} cases).")
 

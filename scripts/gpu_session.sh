@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# posbench's work on a lent GPU machine (torch there, no network, no Hydra): the CUDA tests and
+# posbench's work on a GPU machine without network access (torch there, no Hydra): the CUDA tests and
 # sweeps that run several jobs at once on the one GPU. Run from the repository root:
 #
 #   bash scripts/gpu_session.sh tests            # the CUDA-only tests (they skip on a CPU machine)

@@ -1,4 +1,4 @@
-"""Movement of a run's learned position parameters, from its checkpoints (issue 23).
+"""Movement of a run's learned position parameters, from its checkpoints (docs/fidelity.md).
 
 For runs trained before the trainer logged ``position/<param>/norm`` and ``/move`` in
 metrics.jsonl: rebuilds the seed's initialisation from the run's config.yaml (the trainer seeds,

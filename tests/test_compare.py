@@ -216,7 +216,7 @@ def test_a_truncated_windowed_curve_is_invalid(tmp_path: Path) -> None:
         validate_results(results)
 
 
-# ----------------------------------------------------------------- issue 21 item 2: groups = seeds only
+# ---------------------------------------------------------------------------------- groups = seeds only
 
 
 def bands_rows(out: Path) -> dict[str, dict[str, str]]:
@@ -336,7 +336,7 @@ def test_precision_of_older_results(tmp_path: Path) -> None:
     assert {name: r.precision for name, r in runs.items()} == {"fp32": "fp32", "auto": "unknown", "broken": "unknown"}
 
 
-# ----------------------------------------------------------------- review of issues 21/24
+# --------------------------------------------------------------- faults found by a review
 
 
 def test_variant_label_of_an_entry_without_a_checksum() -> None:

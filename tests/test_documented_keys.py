@@ -1,5 +1,5 @@
-"""Every config key the docs' config reference lists can be set as documented (issue 21 item 5:
-``model.attention_window=64`` was refused by Hydra because no model preset carried the key).
+"""Every config key the docs' config reference lists can be set as documented (a fault it guards
+against: ``model.attention_window=64`` was refused by Hydra because no model preset carried the key).
 
 The keys are read from the reference itself (README.md and docs/*.md): each ``**`group`**``
 heading followed by a ``| key | default | meaning |`` table, and the method table's options. A

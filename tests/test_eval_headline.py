@@ -1,4 +1,4 @@
-"""Issue 21 items 1, 4, 8 and 11: `posbench eval` never changes a run's headline behind the user's
+"""`posbench eval` never changes a run's headline behind the user's
 back; in-training validation reads a spread subset; a checkpoint from other model code and ignored
 or bad settings are refused in one line. Tiny models, CPU, a few steps."""
 
@@ -47,7 +47,7 @@ def rope_run(rope_once: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(rope_once, tmp_path / "run"))  # each test changes its own copy
 
 
-# ----------------------------------------------------------------------------- item 1
+# ------------------------------------------------------ eval never moves the headline
 
 
 @pytest.mark.slow
@@ -147,7 +147,7 @@ def test_results_without_variants_or_marks_read_as_before():
         validate_results({**old, "eval_variants": [{**entry, "loss_by_position": [1.0]}]})
 
 
-# ----------------------------------------------------------------------------- item 4
+# --------------------------------------------------- validation reads a spread subset
 
 
 def test_validation_subset_is_spread_seeded_and_the_same_for_every_method(tmp_path):
@@ -213,7 +213,7 @@ def test_validation_windows_are_recorded_and_named_in_the_training_figure(rope_r
     assert validation_subset([RunRecord(rope_run, results)], "val_loss_32_64") == "subset of 8 held-out windows"
 
 
-# ----------------------------------------------------------------------------- item 8
+# ------------------------------------------------- a checkpoint from other model code
 
 
 def rewrite_checkpoint_weights(run_dir: Path) -> None:
@@ -253,7 +253,7 @@ def test_a_checkpoint_from_other_method_code_is_refused_by_eval_and_resume(tmp_p
     expect_one_line(resume_err.value)
 
 
-# ----------------------------------------------------------------------------- item 11
+# ------------------------------------------------------------- ignored or bad settings
 
 
 def test_a_data_path_the_source_does_not_read_is_refused():

@@ -1,4 +1,4 @@
-"""Faults of issue 14 (and issue 8 item 7): kills, clashes and bad input end in one clear line or
+"""Faults from the fault list (docs/faults.md): kills, clashes and bad input end in one clear line or
 a recorded failure, never in a traceback or a lost record. Tiny models, CPU, a few steps."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def lengths_of(run_dir: Path) -> list[int]:
     return [e["length"] for e in json.loads((run_dir / "results.json").read_text())["eval"]]
 
 
-# ----------------------------------------------------------------------------- issue 14, Medium 5
+# ---------------------------------------------------------------------------- a killed joblib job
 
 
 @pytest.mark.slow
@@ -80,7 +80,7 @@ def test_a_killed_joblib_job_fails_alone_and_the_sweep_goes_on(tmp_path):
     assert "1 sweep job(s) failed" in proc.stderr
 
 
-# ----------------------------------------------------------------------------- issue 14, Medium 7
+# ------------------------------------------------------------------- two evals of one run at once
 
 
 @pytest.mark.slow
@@ -103,7 +103,7 @@ def test_two_evals_of_one_run_at_once_keep_both_entries(trained, monkeypatch):
     assert lengths_of(trained) == [64, 96, 128]
 
 
-# ----------------------------------------------------------------------------- issue 8, item 7
+# -------------------------------------------------------- eval after the training text changed
 
 
 def write_corpus(directory: Path, extra: str = "") -> None:
@@ -158,7 +158,7 @@ def test_eval_refuses_a_cache_whose_tokenizer_is_not_the_runs(trained):
         run_eval(run, "eval.lengths=[64]")
 
 
-# ----------------------------------------------------------------------------- issue 14, Low
+# -------------------------------------------------------------------------------- bad values
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Issue 23: learned position parameters follow their reference parametrisation, the old one stays
+"""Learned position parameters follow their reference parametrisation, the old one stays
 reproducible as an option, and their movement during training is logged (docs/fidelity.md)."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_t5_bias_scale_multiplies_the_score_term_exactly(scale):
 
 
 def test_t5_bias_scale_one_reproduces_the_old_unscaled_bias_bitwise():
-    """bias_scale=1 is the function of posbench before issue 23: table[bucket(i - j), h], no factor,
+    """bias_scale=1 is the first t5 parametrisation: table[bucket(i - j), h], no factor,
     same initialisation (same draws from the same seed)."""
     old = make("t5", bias_scale=1.0)
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_t5_bias_scale_is_a_documented_config_option():
     option = load_group_option("method", "t5")
     assert "bias_scale" in option and option["bias_scale"] is None
     text = (posbench.config.config_dir() / "method" / "t5.yaml").read_text()
-    assert "sqrt(d_head)" in text and "1.0 = posbench before issue 23" in text
+    assert "sqrt(d_head)" in text and "1.0 = the first t5 parametrisation" in text
 
 
 # ------------------------------------------------------------------------- position parameters / drift

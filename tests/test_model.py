@@ -491,7 +491,7 @@ def test_every_learnable_parameter_gets_a_gradient_on_the_default_cpu_backend(na
 
 @pytest.mark.parametrize("name", ALL_METHODS)
 def test_same_seed_same_body_for_every_method(name):
-    """Issue 8: token embedding, blocks and LM head are bitwise identical across methods."""
+    """Same seed, same body: token embedding, blocks and LM head are bitwise identical across methods."""
 
     def body(method):
         torch.manual_seed(123)

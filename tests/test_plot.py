@@ -205,7 +205,7 @@ def test_sweep_callback(sweep: Path, tmp_path: Path) -> None:
     callback.on_multirun_end(OmegaConf.create({}))  # no hydra node: a warning, not an exception
 
 
-# ----------------------------------------------------------------- issue 21 item 12: what the figures say
+# ----------------------------------------------------------------------------------- what the figures say
 
 
 def _legend_clear_of_data(fig, ax) -> bool:

@@ -427,7 +427,7 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     assert len(rows) == 1 + 2 * 3
 
 
-# ----------------------------------------------------------------- review of issue 24: item 7
+# ------------------------------------------------------------------- faults found by a review
 
 
 def fake_probe_entry(gain: float, windows: str = "w64", num_windows: int = 64, matched: bool = True, **extra) -> dict:

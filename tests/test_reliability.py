@@ -1,4 +1,4 @@
-"""Faults a careless user or a busy cluster causes (issue 14): every one ends in one clear line,
+"""Faults a careless user or a busy cluster causes: every one ends in one clear line,
 a finishable run and an intact record. Tiny model, CPU, a few steps each."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def evaluate(run_dir: Path, log=lambda _: None) -> dict:
     return evaluate_saved_run(cfg, log=log)
 
 
-# ----------------------------------------------------------------------------- High 1
+# -------------------------------------------------- a stop after the final checkpoint
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_posbench_eval_refuses_a_run_with_steps_left_to_train(tmp_path):
     assert status_of(tmp_path)["status"] == "interrupted" and not (tmp_path / "refused.json").exists()
 
 
-# ----------------------------------------------------------------------------- High 2
+# ------------------------------------------------------------------- a refused resume
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_a_refused_resume_leaves_the_runs_record_and_counts_as_failed(tmp_path):
     assert not (job / "refused.json").exists()
 
 
-# ----------------------------------------------------------------------------- High 3
+# ------------------------------------------------------------- a locked run directory
 
 
 def test_a_second_training_into_a_locked_run_directory_is_refused(tmp_path):
@@ -117,7 +117,7 @@ def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     assert run_train(tmp_path, "method=alibi")["train"]["steps"] == 6
 
 
-# ----------------------------------------------------------------------------- Medium 4
+# -------------------------------------------------------- resume lists every difference
 
 
 def test_resume_lists_every_difference_of_model_options_and_trainer(tmp_path):
@@ -146,7 +146,7 @@ def test_resume_refuses_a_change_of_randomized_positions(tmp_path):
         run_train(tmp_path, "method=rope")
 
 
-# ----------------------------------------------------------------------------- Medium 6
+# --------------------------------------------------------------- a damaged results.json
 
 
 @pytest.mark.slow
@@ -175,7 +175,7 @@ def test_a_damaged_metrics_line_does_not_break_resume(tmp_path):
     assert steps == sorted(steps) and steps[-1] == 6
 
 
-# ----------------------------------------------------------------------------- Medium 8
+# ------------------------------------------------------------ an overwritten checkpoint
 
 
 @pytest.mark.slow
@@ -218,7 +218,7 @@ def test_a_config_that_is_non_finite_from_the_start_is_not_blamed_on_the_learnin
     assert "lower trainer.lr" not in str(err.value) and "method" in str(err.value)
 
 
-# ----------------------------------------------------------------------------- Medium 9
+# ------------------------------------------------------------ what cannot fit in memory
 
 
 @pytest.mark.parametrize("override", ["model.n_layers=100000000", "trainer.batch_size=100000000"])
@@ -243,7 +243,7 @@ def test_out_of_memory_and_a_full_disk_end_in_one_line(tmp_path, monkeypatch, er
     assert status_of(tmp_path)["status"] == "failed"
 
 
-# ----------------------------------------------------------------------------- Low
+# ----------------------------------------------------------- stray temporary files
 
 
 @pytest.mark.slow
@@ -256,7 +256,7 @@ def test_stray_temporary_files_of_a_killed_write_are_removed_at_the_next_start(t
     assert not any(path.exists() for path in stray)
 
 
-# ----------------------------------------------------------------------------- issue 8 item 4
+# ---------------------------------------------------------- validation scores the band past C
 
 
 @pytest.mark.slow

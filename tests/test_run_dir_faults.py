@@ -1,6 +1,6 @@
-"""Fault cases of issue 21 around the run directory: an output folder that is a file (item 6),
-a read-only cache (7), a full disk (9), a start refused by the lock (10) and a config typo that
-must leave no run directory (12). Tiny models on the CPU; the CLI runs in a subprocess."""
+"""Fault cases around the run directory: an output folder that is a file, a read-only cache, a
+full disk, a start refused by the lock and a config typo that must leave no run directory. Tiny
+models on the CPU; the CLI runs in a subprocess."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-# ----------------------------------------------------------------------------- item 6
+# ---------------------------------------------------- an output folder that is a file
 
 
 @pytest.mark.parametrize("command, args, key", [
@@ -55,7 +55,7 @@ def test_an_output_folder_naming_an_existing_file_is_one_line(tmp_path, command,
     assert file.read_text() == "keep me\n"
 
 
-# ----------------------------------------------------------------------------- items 10 and 12
+# -------------------------------------------------- a start refused by the lock, a config typo
 
 
 @pytest.mark.slow
@@ -99,7 +99,7 @@ def test_a_config_typo_in_an_existing_folder_is_recorded_there(tmp_path):
     assert status["status"] == "failed" and "trainer.lr must be a number" in status["error"]
 
 
-# ----------------------------------------------------------------------------- item 7
+# ------------------------------------------------------------------ a read-only cache
 
 
 @pytest.mark.parametrize("error", [errno.EROFS, errno.EACCES])
@@ -137,7 +137,7 @@ def test_a_cache_path_naming_a_file_is_one_line(tmp_path):
             prepare_data(DataConfig(source="synthetic", cache_dir=str(cache)), log=lambda _: None)
 
 
-# ----------------------------------------------------------------------------- item 9
+# ------------------------------------------------------------------------ a full disk
 
 
 @pytest.mark.parametrize("stays_full", [False, True])

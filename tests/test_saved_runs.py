@@ -1,4 +1,4 @@
-"""Saved runs read back as they were recorded (review of issues 21-24): options added after a run
+"""Saved runs read back as they were recorded (faults found by a review): options added after a run
 was recorded, the precision of posbench eval's entries, refused starts leaving an earlier run's
 Hydra record and log alone, and finishing a run whose recorded data.path its source ignores.
 Tiny models, CPU, a few steps."""
@@ -52,12 +52,12 @@ def rewrite_records(run_dir: Path, change) -> None:
     (run_dir / "results.json").write_text(json.dumps(results))
 
 
-# ----------------------------------------------------------------------------- item 1
+# --------------------------------------------- options added after a run was recorded
 
 
 @pytest.fixture(scope="module")
 def old_t5_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A t5 run as posbench recorded it before issue 23: the unscaled bias, no bias_scale key."""
+    """A t5 run as posbench recorded it before bias_scale existed: the unscaled bias, no bias_scale key."""
     run_dir = tmp_path_factory.mktemp("t5") / "run"
     run_train(run_dir, "method=t5", "method.bias_scale=1.0")
 
@@ -105,7 +105,7 @@ def test_new_runs_record_the_options_whose_default_changed():
     assert MethodSpec.from_saved({"name": "t5", "bias_scale": None}).options == {"bias_scale": None, "fast": False}
 
 
-# ----------------------------------------------------------------------------- item 5
+# ---------------------------------------------------- the precision of eval's entries
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_an_auto_run_of_unknown_precision_is_never_the_same(bf16_run):
     assert [v["variant"] for v in results_of(bf16_run)["eval_variants"]] == ["precision=bf16"]
 
 
-# ----------------------------------------------------------------------------- item 6
+# ---------------------------------------- refused starts keep an earlier run's record
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -186,7 +186,7 @@ def test_a_failed_start_in_a_fresh_directory_keeps_its_hydra_record(tmp_path):
     assert (tmp_path / ".hydra" / "overrides.yaml").read_text() == "- trainer.lr=abc\n"
 
 
-# ----------------------------------------------------------------------------- item 12
+# ------------------------------------------------------ a data.path its source ignores
 
 
 @pytest.mark.slow

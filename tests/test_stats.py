@@ -102,8 +102,8 @@ def test_paired_difference_by_seed_and_by_sequence() -> None:
 
 
 def test_one_seed_never_gives_a_verdict() -> None:
-    """A one-seed difference far from 0 on its sequences still orders nothing (the cpu_quick
-    review: fox - alibi per seed -0.015 / +0.014 / -0.008, a one-seed half-width of 0.005)."""
+    """A one-seed difference far from 0 on its sequences still orders nothing (cpu_quick's
+    three seeds: fox - alibi per seed -0.015 / +0.014 / -0.008, a one-seed half-width of 0.005)."""
     seq_a = {0: list(np.linspace(3.0, 3.2, 50))}
     seq_b = {0: list(np.linspace(3.0, 3.2, 50) + 0.015)}
     spread = pooled_seed_sd([[-0.015, 0.014, -0.008]])

@@ -1,4 +1,4 @@
-"""Synthetic tasks (issue 25, docs/tasks.md): generators against oracles, seeds, answer-only
+"""Synthetic tasks (docs/tasks.md): generators against oracles, seeds, answer-only
 scoring, a tiny model learning flip-flop, and the CLI end to end."""
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ def test_results_record_the_software_versions(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("native", [True, False])
 def test_runs_record_the_precision_they_resolved(tmp_path, monkeypatch, native):
-    """Issue 21 item 3: trainer.precision=auto is recorded as what it resolved to, with the
+    """trainer.precision=auto is recorded as what it resolved to, with the
     autocast dtype, the device name and torch, in results.json, the W&B config and the log."""
     import posbench.hardware as hardware
     import posbench.loggers as loggers

@@ -248,7 +248,7 @@ def test_figures_go_to_the_runs_wandb_run(tmp_path, monkeypatch):
     messages: list[str] = []
     assert log_to_wandb(run_dir, config, written, messages.append), messages
     assert messages == [f"logged 1 figures to W&B run {run_id} (offline)"]
-    # W&B names offline run folders by start second and id, adding "-1" when a second session of
+    # W&B names offline run folders by start second and id, adding "-1" when a second W&B run of
     # the id starts within the same second (the plain glob missed that folder on fast machines).
     runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}*"))
     assert len(runs) == 2  # the training run's and the one that added the figures, same id
@@ -271,7 +271,7 @@ def test_sweep_callback_adds_the_viz_pictures(trained_sweep):
 
 @pytest.mark.slow
 def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypatch):
-    """Issue 21 item 12: rope's q.k decay comes from its definition, so naming the run's step
+    """Rope's q.k decay comes from its definition, so naming the run's step
     (``rope, step 400``) misleads; a method with trained q/k parameters keeps the step."""
     import posbench.viz as viz
     from posbench.train import train

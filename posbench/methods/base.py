@@ -1,6 +1,6 @@
 """The position-method interface.
 
-Following seed 003's framing (see DESIGN.md), a position method touches the transformer in up to
+Following seed 003's framing (docs/departures.md), a position method touches the transformer in up to
 three places, and implements any subset of them:
 
 1. ``input_embedding``: a ``(..., T, d_model)`` tensor added to the token embeddings (learned,

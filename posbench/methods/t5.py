@@ -11,7 +11,7 @@ q.k / sqrt(D) here, and the scale lets the bias move on their scale with Adam at
 learning rate (400 steps at lr 2e-3 move an unscaled entry by well under a nat). The table starts
 at N(0, ``init_std`` = 0.02), so the initial bias has std 0.02 sqrt(D) (0.11 at D = 32), close to
 T5's own initialisation d_model^-0.5 (0.088 at d_model = 128). ``bias_scale: 1`` reproduces the
-unscaled bias of posbench before issue 23 bitwise (docs/fidelity.md).
+unscaled bias of the first t5 parametrisation bitwise (docs/fidelity.md).
 
 Two differences from ``transformers``' T5 worth knowing:
 - Scaling: T5 applies no 1/sqrt(d) to q.k (its initialisation folds it into the weights) and
@@ -58,14 +58,14 @@ class T5Bias(PositionMethod):
     name = "t5"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
-    options_before = {"bias_scale": 1.0, "fast": False}  # bias_scale: runs from before issue 23 trained the unscaled bias
+    options_before = {"bias_scale": 1.0, "fast": False}  # bias_scale: runs from before the option trained the unscaled bias
 
     def __init__(
         self, dims: ModelDims, *, num_buckets: int = 32, max_distance: int = 128, init_std: float = 0.02,
         bias_scale: float | None = None, fast: bool = False,
     ) -> None:
         """``bias_scale``: factor on the learned table; None = sqrt(head_dim) (x-transformers),
-        1.0 = the unscaled bias of posbench before issue 23."""
+        1.0 = the unscaled bias of the first t5 parametrisation."""
         super().__init__(dims)
         if num_buckets < 2 or max_distance <= num_buckets // 2:
             raise ValueError("t5 needs num_buckets >= 2 and max_distance > num_buckets / 2")

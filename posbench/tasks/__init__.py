@@ -1,4 +1,4 @@
-"""Synthetic tasks with a right answer (issue 25; docs/tasks.md): the task interface and batches
+"""Synthetic tasks with a right answer (docs/tasks.md): the task interface and batches
 (:mod:`posbench.tasks.base`), the built-in tasks (:mod:`posbench.tasks.generators`), their
 evaluation (:mod:`posbench.tasks.evaluate`), a task run's workload for the trainer
 (:mod:`posbench.tasks.workload`) and comparison tables and figures

@@ -1,4 +1,4 @@
-"""Synthetic tasks with a right answer (issue 25): flip-flop, associative recall (MQAR), copy.
+"""Synthetic tasks with a right answer: flip-flop, associative recall (MQAR), copy.
 
 A task is a generator of token sequences plus a mask of the targets that are *answers*; only
 answers are trained on (the other targets get :data:`IGNORE`) and scored (accuracy, and exact
