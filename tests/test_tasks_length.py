@@ -307,3 +307,21 @@ def test_plot_skips_a_task_run_with_nan_accuracies(tmp_path):
     assert "nan" not in table.lower() and "| alibi | " in table
     assert not any(math.isnan(float(r["mean"])) for r in csv.DictReader(io.StringIO(
         (tmp_path / "out" / "tasks.csv").read_text())))
+
+
+def test_a_copy_checkpoint_from_before_shifted_training_still_resumes():
+    """copy gained ``task.shifted_training`` (default false); the resume identity of a default copy
+    run must equal the one recorded before the option existed, or every earlier copy checkpoint is
+    refused. A run that switches it on is another data stream and keeps a different identity."""
+    from conftest import compose_config
+
+    from posbench.spec import build_spec
+    from posbench.tasks.workload import TaskWorkload
+
+    def identity(*overrides: str) -> dict[str, str]:
+        spec = build_spec(compose_config("train", ["task=copy", "logger=none", *overrides]))
+        return TaskWorkload(spec.task, spec.task_options).identity()
+
+    before = "copy:[('min_length', 1), ('name', 'copy'), ('num_symbols', 16), ('seed', 0)]"
+    assert identity() == {"task": before}
+    assert identity("task.shifted_training=true") != {"task": before}

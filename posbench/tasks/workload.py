@@ -12,6 +12,10 @@ from torch import nn
 from posbench.tasks.base import EVALUATION_OPTIONS, Task, TaskBatches, answer_share
 from posbench.tasks.evaluate import task_results, task_summary, validation_batches, validation_metrics
 
+DATA_OPTIONS_BEFORE = {"shifted_training": False}
+"""Data options added after runs were made, with the value those runs had: a run's resume identity
+leaves them out at that value, so a checkpoint made before the option existed still resumes."""
+
 
 @dataclass
 class TaskWorkload:
@@ -49,7 +53,8 @@ class TaskWorkload:
 
     def identity(self) -> dict[str, str]:
         """Resume check: the task and the options that set its data (not the evaluation's)."""
-        options = {k: v for k, v in self.options.items() if k not in EVALUATION_OPTIONS}
+        options = {k: v for k, v in self.options.items() if k not in EVALUATION_OPTIONS
+                   and not (k in DATA_OPTIONS_BEFORE and v == DATA_OPTIONS_BEFORE[k])}
         return {"task": f"{self.task.name}:{sorted(options.items())}"}
 
     def evaluate(self, model: nn.Module, spec: Any, device: torch.device, amp_dtype: torch.dtype | None,
