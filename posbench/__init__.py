@@ -34,15 +34,15 @@ def create_model(
         flavour: model preset from ``configs/model/`` (``tiny``, ``mini``, ``small``, ``medium``).
         method_options: overrides of the method's options (defaults from ``configs/method/``),
             e.g. ``{"base": 500000.0}`` for rope.
-        **model_overrides: any :class:`posbench.model.ModelConfig` field, e.g. ``vocab_size=50257``.
+        **model_overrides: any :class:`posbench.model.transformer.ModelConfig` field, e.g. ``vocab_size=50257``.
 
     Returns:
-        A :class:`posbench.model.Transformer`: token ids ``(B, T)`` -> logits ``(B, T, vocab)``
+        A :class:`posbench.model.transformer.Transformer`: token ids ``(B, T)`` -> logits ``(B, T, vocab)``
         for any ``T`` the method supports (every method but ``learned`` supports any length).
     """
     from posbench.config import load_group_option
-    from posbench.model import ModelConfig, build_model
-    from posbench.spec import MethodSpec
+    from posbench.model.transformer import ModelConfig, build_model
+    from posbench.runs.spec import MethodSpec
 
     spec = MethodSpec.defaults(method, method_options)  # unknown names fail here with the valid ones
     model_cfg = ModelConfig.from_dict({**load_group_option("model", flavour), **model_overrides})
@@ -50,8 +50,8 @@ def create_model(
 
 
 def load_run(run_dir: str, device: str = "cpu"):
-    """Load a finished run: returns ``Run(model, config, results)`` (see posbench.runs)."""
-    from posbench.runs import load_run as _load
+    """Load a finished run: returns ``Run(model, config, results)`` (see posbench.runs.load)."""
+    from posbench.runs.load import load_run as _load
 
     return _load(run_dir, device=device)
 

@@ -16,8 +16,8 @@ import csv
 import itertools
 from pathlib import Path
 
-from posbench.cli import run_script
-from posbench.errors import PosbenchError
+from posbench.commands.cli import run_script
+from posbench.core.errors import PosbenchError
 
 
 def read_bands(path: Path) -> dict[str, dict[str, str]]:

@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-from posbench.cli import run_script
-from posbench.errors import PosbenchError
+from posbench.commands.cli import run_script
+from posbench.core.errors import PosbenchError
 
 SKIP = {"created", "versions", "resumed_from_step"}
 

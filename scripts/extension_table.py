@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from posbench.cli import run_script
-from posbench.compare import band_key
-from posbench.errors import PosbenchError
-from posbench.results import RunRecord, entry_extension, read_results
-from posbench.stats import bootstrap_interval
+from posbench.commands.cli import run_script
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.stats import bootstrap_interval
+from posbench.report.compare import band_key
+from posbench.runs.results import RunRecord, entry_extension, read_results
 
 
 def load(run_dir: str, variant: str | None) -> list[dict]:

@@ -30,7 +30,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MPLBACKE
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
                           env=ENV, cwd=cwd, timeout=600)
 
 
@@ -74,7 +74,7 @@ def killed_joblib_job(tmp: Path) -> tuple[str, str]:
 
 def concurrent_evals(tmp: Path) -> tuple[str, str]:
     run = train_run(tmp / "run", "method=alibi")
-    procs = [subprocess.Popen([sys.executable, "-m", "posbench.cli", "eval", f"run={run}", f"eval.lengths=[{n}]",
+    procs = [subprocess.Popen([sys.executable, "-m", "posbench.commands.cli", "eval", f"run={run}", f"eval.lengths=[{n}]",
                                "eval.num_sequences=2", "eval.batch_size=2"], env=ENV,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for n in (96, 128)]
     codes = [p.wait(timeout=600) for p in procs]
@@ -131,7 +131,7 @@ def eval_below_context(tmp: Path) -> tuple[str, str]:
 
 
 def plot_skips_running(tmp: Path) -> tuple[str, str]:
-    from posbench.results import write_status
+    from posbench.runs.results import write_status
 
     good, stale = train_run(tmp / "good", "method=rope"), train_run(tmp / "stale", "method=alibi")
     write_status(stale, "running")

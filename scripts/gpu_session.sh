@@ -23,7 +23,7 @@ export PYTHONPATH=/tmp/site POSBENCH_CACHE=$PWD/.gpucache PYTHONUNBUFFERED=1
 export WANDB_MODE=disabled MPLBACKEND=Agg OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/sweeps
-posbench() { python3 -P -c "import sys; sys.argv[0] = 'posbench'; from posbench.cli import main; main()" "$@"; }
+posbench() { python3 -P -c "import sys; sys.argv[0] = 'posbench'; from posbench.commands.cli import main; main()" "$@"; }
 
 case "${1:-}" in
   setup) ;;

@@ -23,17 +23,17 @@ ROOT = Path(__file__).resolve().parent.parent / "posbench"
 # Bottom-up; a module may import its own layer and those below. Modules of a package not listed
 # take the package's layer (methods.rope -> methods).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "io", "settings", "config", "hardware", "distributed", "stats", "configs"),
-    ("methods", "positions"),
-    ("attention", "extension"),
+    ("core", "configs"),
+    ("config", "runtime"),
+    ("methods",),
     ("model",),
     ("data", "tasks"),
-    ("results", "checkpoint", "evaluate", "compare", "probes", "passkey", "tasks.evaluate", "tasks.workload"),
-    ("device", "optim", "spec", "resume", "rundir", "runlog", "loggers", "figures", "preemption", "workload"),
-    ("plot_extension", "plot_probes", "plot_passkey", "plot", "tasks.report"),
+    ("runs",),
+    ("evaluation",),
+    ("report",),
     ("train",),
-    ("runs", "bench", "viz", "sweep"),
-    ("cli",),
+    ("viz", "bench", "commands.eval", "commands.sweep"),
+    ("commands.cli",),
 ]
 API = "__init__"  # posbench/__init__.py: the Python API
 

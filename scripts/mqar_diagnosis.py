@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from posbench.errors import PosbenchError
-from posbench.rundir import RunDir
+from posbench.core.errors import PosbenchError
+from posbench.runs.rundir import RunDir
 from posbench.tasks.base import make_task
 
 OWN_STREAM = 7  # the diagnosis's sequences: not the train (0), validation (1) or test (2) stream

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from posbench.checkpoint import list_checkpoints, read_checkpoint
-from posbench.cli import run_script
-from posbench.errors import PosbenchError
+from posbench.commands.cli import run_script
+from posbench.core.errors import PosbenchError
 from posbench.methods.base import ParameterDrift
-from posbench.model import build_model
-from posbench.train import build_spec, seed_everything
+from posbench.model.transformer import build_model
+from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
+from posbench.train.trainer import build_spec, seed_everything
 
 
 def drift_rows(run_dir: Path, extra: list[Path]) -> list[dict]:

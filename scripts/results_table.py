@@ -21,8 +21,8 @@ import csv
 import sys
 from pathlib import Path
 
-from posbench.cli import run_script
-from posbench.errors import PosbenchError
+from posbench.commands.cli import run_script
+from posbench.core.errors import PosbenchError
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:

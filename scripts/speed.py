@@ -8,8 +8,8 @@ A variant is (method, compile mode, options). Options, joined with ``+``:
 - ``inline_masks``: flex's BlockMask built inside the compiled graph on every forward (the old
   way) instead of prebuilt outside it.
 
-Every variant runs the trainer's own step (:class:`posbench.optim.TrainStep`, bf16 autocast on
-CUDA, clip, AdamW, schedule) on a model compiled by :func:`posbench.optim.compile_model`. All
+Every variant runs the trainer's own step (:class:`posbench.train.optim.TrainStep`, bf16 autocast on
+CUDA, clip, AdamW, schedule) on a model compiled by :func:`posbench.train.optim.compile_model`. All
 variants are built and warmed up first (compilation), then timed in ``--rounds`` interleaved rounds
 of ``--steps`` steps (variant 1, 2, ..., 1, 2, ...), so drift in clocks and load spreads over all
 of them; each step is timed as ``posbench bench`` times it (CUDA events, no sync inside the loop).
@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from posbench.bench import (
+from posbench.bench.command import (
     build_peer,
     matmul_parameters,
     resolve_peak_tflops,
@@ -47,12 +47,12 @@ from posbench.bench import (
     train_flops_per_token,
 )
 from posbench.config import load_group_option
-from posbench.device import autocast_dtype
-from posbench.errors import PosbenchError
+from posbench.config.settings import COMPILE_MODES, TrainerConfig
+from posbench.core.errors import PosbenchError
 from posbench.methods import method_class
-from posbench.model import ModelConfig, build_model
-from posbench.optim import TrainStep, check_compile_mode, compile_model
-from posbench.settings import COMPILE_MODES, TrainerConfig
+from posbench.model.transformer import ModelConfig, build_model
+from posbench.runtime.device import autocast_dtype
+from posbench.train.optim import TrainStep, check_compile_mode, compile_model
 
 PEER = "llama_peer"
 

@@ -10,11 +10,11 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 import posbench
-from posbench import bench
-from posbench.evaluate import per_position_loss
-from posbench.extension import EXTENSIONS, applies_text, extended, resolve_extensions
+from posbench.bench import command as bench
+from posbench.evaluation.loss import per_position_loss
 from posbench.methods import ModelDims, PositionMethod, Rotary, register, unregister
-from posbench.viz import VizSettings, decay_rules, viz_method
+from posbench.model.extension import EXTENSIONS, applies_text, extended, resolve_extensions
+from posbench.viz.command import VizSettings, decay_rules, viz_method
 
 NAME = "test_spin"
 
@@ -83,7 +83,7 @@ def test_a_new_method_is_drawn_with_its_extensions(spin, tmp_path):
     assert "yarn" in decay_rules(Spin(ModelDims(64, 4, 2)))
     written = viz_method(cfg, VizSettings(context=16, span=2, rules=("yarn",)).validate(), lambda _: None)
     assert tmp_path / "qk_decay.png" in written
-    from posbench.viz import _decay_curves
+    from posbench.viz.command import _decay_curves
 
     curves = _decay_curves(Spin(ModelDims(64, 4, 2)), ModelDims(64, 4, 2), NAME, {}, VizSettings(context=16, span=2, rules=("yarn",)))
     assert "yarn (base=500, to 32)" in curves and not (curves["yarn (base=500, to 32)"] == curves[f"{NAME} base=500 (this model)"]).all()

@@ -12,10 +12,10 @@ from conftest import make_method as make
 from torch import nn
 
 import posbench
-import posbench.attention as attention
-from posbench.attention import FLEX_AVAILABLE, attend, resolve_backend
-from posbench.errors import PosbenchError
+import posbench.model.attention as attention
+from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, dense_score
+from posbench.model.attention import FLEX_AVAILABLE, attend, resolve_backend
 
 ALL_METHODS = posbench.list_methods()
 VOCAB = 128

@@ -14,9 +14,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import posbench
-from posbench import bench
+from posbench.bench import command as bench
 from posbench.config import config_dir
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 
 SMALL_RUN = ["model=tiny", "steps=2", "warmup_steps=1", "eval_lengths=[64,128]", "eval_steps=1",
              "batch_size=2", "context=32"]
@@ -205,7 +205,7 @@ def test_a_failing_method_keeps_the_others(tmp_path, monkeypatch):
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     # cwd=tmp_path: Hydra creates its run dir (outputs/bench/...) relative to the working directory
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "posbench.cli", "bench", *args], cwd=tmp_path, env=env,
+    return subprocess.run([sys.executable, "-m", "posbench.commands.cli", "bench", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

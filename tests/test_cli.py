@@ -17,7 +17,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MOD
 
 
 def posbench_cli(*args: str, cwd: Path | None = None, check: bool = True, timeout: int = 600):
-    proc = subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
                           env=ENV, cwd=cwd, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
@@ -234,7 +234,7 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     proc = subprocess.run(
         # --standalone: a free local port per run, so parallel or leftover runs never collide.
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "posbench.cli", "train", *common, f"hydra.run.dir={double}"],
+         "-m", "posbench.commands.cli", "train", *common, f"hydra.run.dir={double}"],
         capture_output=True, text=True, env=ENV, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -264,13 +264,13 @@ def test_packaged_sample_train_and_eval(tmp_path):
      ("posbench eval eval.spl", "eval.split=")],
 )
 def test_shell_completion_routes_to_the_subcommand(line, expected):
-    proc = subprocess.run([sys.executable, "-m", "posbench.cli", "-sc", "query=bash"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", "-sc", "query=bash"], capture_output=True,
                           text=True, env={**ENV, "COMP_LINE": line}, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr
 
 
 def test_results_files_are_readable_by_others(tmp_path):
-    from posbench.io import write_json_atomic
+    from posbench.core.io import write_json_atomic
 
     old = os.umask(0o022)
     try:

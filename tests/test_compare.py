@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from posbench.evaluate import band_means, curve_summary, sequence_band_means
-from posbench.plot import plot_runs
-from posbench.results import build_results, discover_runs, write_results, write_status
-from posbench.stats import bootstrap_interval
-from posbench.sweep import sweep_summary
+from posbench.commands.sweep import sweep_summary
+from posbench.evaluation.loss import band_means, curve_summary, sequence_band_means
+from posbench.evaluation.stats import bootstrap_interval
+from posbench.report.plot import plot_runs
+from posbench.runs.results import build_results, discover_runs, write_results, write_status
 
 PNG = b"\x89PNG\r\n\x1a\n"
 T2 = 4.303  # t_{0.975, 2}: three seeds
@@ -140,7 +140,7 @@ def test_a_single_seed_is_widened_by_the_seed_spread_of_the_others(three_seeds: 
     """A one-seed group beside three-seed groups: its row and its pairs are widened by the
     between-seed sd pooled over the groups (rows) and the pairs (differences) with seeds, and
     its pairs get no verdict however far apart."""
-    from posbench.compare import compare_runs
+    from posbench.report.compare import compare_runs
 
     make_run(three_seeds / "nope-9", "nope", 0, steps=2)  # another experiment: its own group, one seed
     comparison = compare_runs(discover_runs([three_seeds])[0])
@@ -171,8 +171,8 @@ def test_committed_runs_one_seed_orders_nothing() -> None:
     Over the three seeds it is not distinguishable; seed 0 alone (a bootstrap over sequences of
     +-0.005) called it distinguishable. With one seed it now gets no verdict, and an interval
     widened by the seed spread of the pairs with three seeds, which holds 0."""
-    from posbench.compare import compare_runs, paired_markdown
-    from posbench.results import finished_runs
+    from posbench.report.compare import compare_runs, paired_markdown
+    from posbench.runs.results import finished_runs
 
     names = [f"{m}-s{s}" for m in ("alibi", "rope", "nope") for s in (0, 1, 2)]
     three = finished_runs(*discover_runs([COMMITTED / n for n in names + ["fox-s0", "fox-s1", "fox-s2"]]))[0]
@@ -208,7 +208,7 @@ def test_runs_with_different_options_are_kept_apart(tmp_path: Path) -> None:
 
 
 def test_a_truncated_windowed_curve_is_invalid(tmp_path: Path) -> None:
-    from posbench.results import validate_results
+    from posbench.runs.results import validate_results
 
     results = make_run(tmp_path / "r", "rope", 0)
     results["eval"][0]["windowed"]["loss_by_position"] = results["eval"][0]["windowed"]["loss_by_position"][:-1]
@@ -310,7 +310,7 @@ def test_a_failed_or_refused_run_never_enters_the_table(tmp_path: Path) -> None:
 
 
 def test_the_extension_matrix_keeps_unlike_runs_apart(tmp_path: Path) -> None:
-    from posbench.plot_extension import extension_matrix
+    from posbench.report.extension import extension_matrix
 
     runs = []
     for name, seed, steps in (("a", 0, 400), ("b", 1, 400), ("c", 0, 60)):
@@ -342,7 +342,7 @@ def test_precision_of_older_results(tmp_path: Path) -> None:
 def test_variant_label_of_an_entry_without_a_checksum() -> None:
     """results.json files from before ``sequences_sha256`` was recorded: another count is the
     variant, without a ValueError for the checksum that is not there."""
-    from posbench.results import variant_label
+    from posbench.runs.results import variant_label
 
     old = {"split": "validation", "length": 512, "num_sequences": 8, "bands": {}}
     new = {"split": "validation", "length": 512, "num_sequences": 64, "sequences_sha256": "abc", "bands": {}}
@@ -353,7 +353,7 @@ def test_variant_label_of_an_entry_without_a_checksum() -> None:
 def test_an_added_length_never_changes_the_bands_table(tmp_path: Path) -> None:
     """``posbench eval eval.lengths=[384]`` adds an entry marked ``added``: bands.md and the
     paired differences stay those of the training-time evaluation."""
-    from posbench.compare import compare_runs
+    from posbench.report.compare import compare_runs
 
     for method in ("alibi", "rope"):
         make_run(tmp_path / "s" / method, method, 0)
@@ -372,7 +372,7 @@ def test_presets_crossed_with_a_model_setting_keep_four_groups(tmp_path: Path) -
     """``-m model=mini,small model.n_layers=2,4``: the preset alone does not tell the four
     groups apart, so the labels name the layers too; no group replaces another and the sweep
     summary lists every job."""
-    from posbench.compare import group_runs
+    from posbench.report.compare import group_runs
 
     for flavour, d_model in (("mini", 64), ("small", 128)):
         for layers in (2, 4):
@@ -391,7 +391,7 @@ def test_presets_crossed_with_a_model_setting_keep_four_groups(tmp_path: Path) -
 def test_an_unrecorded_setting_and_a_null_one_are_kept_apart(tmp_path: Path) -> None:
     """One run lacks an option (older results.json), another records it as null: two groups,
     labelled ``unknown`` and ``none``; a null setting never reads as ``unknown``."""
-    from posbench.compare import group_runs
+    from posbench.report.compare import group_runs
 
     make_run(tmp_path / "s" / "old", "rope", 0)
     make_run(tmp_path / "s" / "full", "rope", 1, {"window": None})
@@ -402,7 +402,7 @@ def test_an_unrecorded_setting_and_a_null_one_are_kept_apart(tmp_path: Path) -> 
 
 
 def test_labels_that_print_alike_never_replace_a_group(tmp_path: Path) -> None:
-    from posbench.compare import group_runs
+    from posbench.report.compare import group_runs
 
     make_run(tmp_path / "s" / "int", "rope", 0, {"base": 2})
     make_run(tmp_path / "s" / "text", "rope", 1, {"base": "2"})
@@ -414,7 +414,7 @@ def test_labels_that_print_alike_never_replace_a_group(tmp_path: Path) -> None:
 def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
     """The window baseline without a plain rope run beside it was labelled just ``rope`` (a
     method with one group takes its name), so its numbers read as plain rope's."""
-    from posbench.compare import group_runs
+    from posbench.report.compare import group_runs
 
     def windowed(name: str, seed: int, window: int | None) -> None:
         make_run(tmp_path / name, "rope", seed)
@@ -435,7 +435,7 @@ def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
 def test_a_run_trained_with_retrieval_text_is_never_pooled_with_plain_runs(tmp_path: Path) -> None:
     """A run trained with ``data.retrieval`` (pass keys and repeated spans written into its
     training windows) was grouped with plain runs of its method as another seed of them."""
-    from posbench.compare import group_runs
+    from posbench.report.compare import group_runs
 
     def trained(name: str, seed: int, retrieval: dict | None) -> None:
         make_run(tmp_path / name, "rope", seed)

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from posbench.config import config_dir, config_names
 from posbench.methods import list_methods, method_options
-from posbench.spec import build_spec
+from posbench.runs.spec import build_spec
 
 PRIMARY = ["train", "prepare", "eval", "plot", "bench", "viz"]
 TRAIN_GROUPS = ["method", "model", "data", "trainer", "eval", "logger", "experiment", "task"]
@@ -73,9 +73,9 @@ def test_launchers_compose(launcher):
 
 
 @pytest.mark.parametrize("group, option, cls_path, own", [
-    ("trainer", "default", "posbench.settings.TrainerConfig", ()),
-    ("eval", "default", "posbench.settings.EvalConfig", ()),
-    ("model", "small", "posbench.model.ModelConfig", ()),  # the dataclass defaults are the small flavour
+    ("trainer", "default", "posbench.config.settings.TrainerConfig", ()),
+    ("eval", "default", "posbench.config.settings.EvalConfig", ()),
+    ("model", "small", "posbench.model.transformer.ModelConfig", ()),  # the dataclass defaults are the small flavour
     *(("data", n, "posbench.data.DataConfig", ("source",)) for n in config_names("data")),
 ])
 def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
@@ -90,8 +90,8 @@ def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
     values = OmegaConf.to_container(OmegaConf.load(config_dir() / group / f"{option}.yaml"), resolve=True)
     from dataclasses import asdict, is_dataclass
 
-    from posbench.errors import PosbenchError
-    from posbench.settings import from_section
+    from posbench.config.settings import from_section
+    from posbench.core.errors import PosbenchError
 
     try:
         default = from_section(cls, group, {})  # validated: nested settings become their dataclass
@@ -107,8 +107,8 @@ def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
 @pytest.mark.parametrize("command", ["bench", "viz"])
 def test_command_defaults_live_once(command):
     """The settings a command falls back to without its YAML are the YAML's."""
-    from posbench.bench import settings_from_config as bench_settings
-    from posbench.viz import settings_from_config as viz_settings
+    from posbench.bench.command import settings_from_config as bench_settings
+    from posbench.viz.command import settings_from_config as viz_settings
 
     if command == "bench":
         from_yaml, _ = bench_settings(compose_config("bench", []))
@@ -117,7 +117,7 @@ def test_command_defaults_live_once(command):
     else:
         from_yaml = viz_settings(compose_config("viz", []))
         from_code = viz_settings(OmegaConf.create({}))
-        from posbench.viz import VizSettings
+        from posbench.viz.command import VizSettings
 
         assert from_code == VizSettings()
     assert from_yaml == from_code

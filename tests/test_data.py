@@ -15,9 +15,9 @@ import pytest
 
 import posbench.data.prepare as prepare_mod
 import posbench.data.sources as sources_mod
+from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, PreparedData, prepare_data, tokenize_with
 from posbench.data.synthetic import generate_stories
-from posbench.errors import PosbenchError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "data"
 

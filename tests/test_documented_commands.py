@@ -112,7 +112,7 @@ RUNNABLE = [(where, call) for where, call in COMMANDS if not call or call[0] != 
 @pytest.mark.slow
 @pytest.mark.parametrize("where, call", RUNNABLE, ids=[where for where, _ in RUNNABLE])
 def test_documented_command_composes(where, call):
-    from posbench.cli import COMMANDS as SUBCOMMANDS
+    from posbench.commands.cli import COMMANDS as SUBCOMMANDS
     from posbench.config import check_command_line
 
     assert call, f"{where}: `posbench` without a subcommand"

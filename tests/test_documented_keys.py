@@ -100,7 +100,7 @@ def test_every_documented_method_option_is_settable(method):
 
 @pytest.mark.parametrize("preset", config_names("model"))
 def test_the_window_baseline_is_settable_as_the_readme_writes_it(preset):
-    from posbench.spec import build_spec
+    from posbench.runs.spec import build_spec
 
     spec = build_spec(compose_config("train", [f"model={preset}", "model.attention_window=64"]))
     assert spec.model.attention_window == 64
@@ -113,7 +113,7 @@ def test_bench_help_lists_only_the_groups_bench_reads():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "posbench.cli", "bench", "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", "bench", "--help"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0].split()

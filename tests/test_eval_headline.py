@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import QUICK_TRAIN, compose_config
 
-from posbench.errors import PosbenchError
-from posbench.evaluate import headline
-from posbench.spec import build_spec
-from posbench.train import train
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.loss import headline
+from posbench.runs.spec import build_spec
+from posbench.train.trainer import train
 
 QUIET = lambda _: None  # noqa: E731
 
@@ -25,7 +25,7 @@ def run_train(run_dir: Path, *overrides: str, log=QUIET) -> dict:
 
 
 def run_eval(run_dir: Path, *overrides: str, log=QUIET) -> dict:
-    from posbench.runs import evaluate_saved_run
+    from posbench.commands.eval import evaluate_saved_run
 
     return evaluate_saved_run(compose_config("eval", [f"run={run_dir}", "device=cpu", *overrides]), log=log)
 
@@ -78,7 +78,7 @@ def test_the_readme_extension_example_keeps_the_headline_bitwise(rope_run, tmp_p
     assert again["eval_variants"] == after["eval_variants"]
 
     # Every reader of results.json still reads the training-time entry: the method comparison table.
-    from posbench.plot import plot_runs
+    from posbench.report.plot import plot_runs
 
     plot_runs([str(rope_run)], str(tmp_path / "figs"), formats=("png",), log=QUIET)
     row = next(line for line in (tmp_path / "figs" / "bands.md").read_text().splitlines() if line.startswith("| rope |"))
@@ -108,7 +108,7 @@ def test_a_new_length_never_becomes_the_headline(tmp_path):
     after = results_of(run_dir)
     assert [e["length"] for e in after["eval"]] == [64, 128] and after["eval"][0]["added"] is True
     assert headline(after, "32-64") == headline(before, "32-64") == before["eval"][0]["bands"]["32-64"]
-    from posbench.results import RunRecord, headline_entries
+    from posbench.runs.results import RunRecord, headline_entries
 
     assert headline_entries(after["eval"]) == [after["eval"][1]]  # what headline() and the sweep summary read
     assert RunRecord(run_dir, after).plain().results["eval"] == after["eval"]  # plots still show both lengths
@@ -135,7 +135,7 @@ def test_other_precision_is_a_variant_not_a_duplicate(rope_run):
 
 def test_results_without_variants_or_marks_read_as_before():
     """A results.json written before eval_variants / added existed: every plain entry counts."""
-    from posbench.results import headline_entries, validate_results
+    from posbench.runs.results import headline_entries, validate_results
 
     entry = {"split": "validation", "length": 4, "num_sequences": 1, "loss_by_position": [1.0] * 4,
              "bands": {"0-2": 1.0, "2-4": 2.0}}
@@ -155,8 +155,8 @@ def test_validation_subset_is_spread_seeded_and_the_same_for_every_method(tmp_pa
 
     from posbench.data import prepare_data
     from posbench.data.loader import eval_sequences, spread_sequences
-    from posbench.evaluate import validation_sets
-    from posbench.model import build_model
+    from posbench.evaluation.loss import validation_sets
+    from posbench.model.transformer import build_model
 
     tokens = np.arange(10_000, dtype=np.uint16)
     every = eval_sequences(tokens, 64, 10_000)  # (153, 65)
@@ -207,8 +207,8 @@ def test_validation_subset_mean_estimates_the_full_band_on_the_sample(tmp_path):
 def test_validation_windows_are_recorded_and_named_in_the_training_figure(rope_run):
     results = results_of(rope_run)
     assert results["train"]["validation_windows"] == {"val_loss": 4, "val_loss_32_64": 8}
-    from posbench.plot import validation_subset
-    from posbench.results import RunRecord
+    from posbench.report.plot import validation_subset
+    from posbench.runs.results import RunRecord
 
     assert validation_subset([RunRecord(rope_run, results)], "val_loss_32_64") == "subset of 8 held-out windows"
 
@@ -218,7 +218,7 @@ def test_validation_windows_are_recorded_and_named_in_the_training_figure(rope_r
 
 def rewrite_checkpoint_weights(run_dir: Path) -> None:
     """The newest checkpoint as if the method's code had changed: one parameter gone, one new."""
-    from posbench.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
+    from posbench.runs.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
 
     path = list_checkpoints(run_dir)[-1]
     state = read_checkpoint(path)
@@ -240,7 +240,7 @@ def expect_one_line(err: PosbenchError) -> str:
 def test_a_checkpoint_from_other_method_code_is_refused_by_eval_and_resume(tmp_path):
     run_dir = tmp_path / "run"
     run_train(run_dir, "method=t5", "eval.lengths=[64]")
-    from posbench.checkpoint import list_checkpoints, read_checkpoint
+    from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
 
     keys = set(read_checkpoint(list_checkpoints(run_dir)[-1])["model"])
     assert "position.bias.weight" in keys and "embed.weight" in keys
@@ -276,7 +276,7 @@ def test_plot_and_extension_table_read_a_variant_when_asked(rope_run, tmp_path):
     `plot variant=num_sequences=2` and scripts/extension_table.py draw those, paired per length."""
     import runpy
 
-    from posbench.plot import plot_runs
+    from posbench.report.plot import plot_runs
 
     run_eval(rope_run, "eval.extension=[none,ntk,yarn]", "eval.num_sequences=2", "eval.lengths=[64,128]")
     out = tmp_path / "figs"
@@ -284,7 +284,7 @@ def test_plot_and_extension_table_read_a_variant_when_asked(rope_run, tmp_path):
     table = (out / "extensions.md").read_text()
     assert "| rope | yarn | 1 |" in table and "| rope | ntk | 1 |" in table
     view = json.loads(json.dumps(results_of(rope_run)))
-    from posbench.results import RunRecord
+    from posbench.runs.results import RunRecord
 
     entries = RunRecord(rope_run, view).variant("num_sequences=2").results["eval"]
     assert [(e["length"], e["extension"], e["num_sequences"]) for e in entries] == [

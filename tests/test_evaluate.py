@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import posbench
-from posbench.errors import PosbenchError
-from posbench.evaluate import (
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.loss import (
     band_means,
     effective_length,
     evaluate_model,
@@ -268,8 +268,8 @@ def test_window_stride_above_the_context_is_capped_and_logged() -> None:
 def test_a_run_evaluates_on_training_text_with_the_configured_stride(tmp_path) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
-    from posbench.results import read_results
-    from posbench.train import train
+    from posbench.runs.results import read_results
+    from posbench.train.trainer import train
 
     cfg = compose_config("train", [*QUICK_TRAIN, "method=alibi", "eval.split=train", "eval.window_stride=8",
                                    "eval.effective_length_eps=0.1"])
@@ -284,7 +284,7 @@ def test_a_run_evaluates_on_training_text_with_the_configured_stride(tmp_path) -
 def test_bad_eval_options_are_refused(override: str) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
-    from posbench.spec import build_spec
+    from posbench.runs.spec import build_spec
 
     with pytest.raises(PosbenchError, match=override.split("=")[0]):
         build_spec(compose_config("train", [*QUICK_TRAIN, override]))

@@ -1,4 +1,4 @@
-"""Context extension at evaluation (posbench/extension.py) against independent references:
+"""Context extension at evaluation (posbench/model/extension.py) against independent references:
 transformers' Llama rotary embedding for the RoPE rules, explicit formulas for the others."""
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from posbench.errors import PosbenchError
-from posbench.evaluate import per_position_loss
-from posbench.extension import (
+from posbench.config.settings import ReRoPEConfig
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.loss import per_position_loss
+from posbench.methods import ModelDims, build_method, list_methods, method_class
+from posbench.methods.base import Rotary
+from posbench.model.extension import (
     EXTENSIONS,
     NONE,
     ExtendedPosition,
@@ -22,10 +25,7 @@ from posbench.extension import (
     record_extension,
     resolve_extensions,
 )
-from posbench.methods import ModelDims, build_method, list_methods, method_class
-from posbench.methods.base import Rotary
-from posbench.model import ModelConfig, build_model
-from posbench.settings import ReRoPEConfig
+from posbench.model.transformer import ModelConfig, build_model
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402
@@ -314,11 +314,11 @@ def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
 
 
 def test_eval_config_takes_a_name_a_list_or_all_and_refuses_unknown_names():
-    from posbench.settings import EvalConfig, from_section
+    from posbench.config.settings import EvalConfig, from_section
 
     assert from_section(EvalConfig, "eval", {"extension": "all"}).extension == ["all"]
     assert from_section(EvalConfig, "eval", {"extension": ["none", "yarn"]}).extension == ["none", "yarn"]
-    from posbench.extension import check_names
+    from posbench.model.extension import check_names
 
     check_names(["none", "all", "yarn"])
     with pytest.raises(PosbenchError, match="unknown eval.extension 'pi'; choose from none, all, linear"):
@@ -345,7 +345,7 @@ def test_log_scaling_scales_a_query_dependent_term_once(method):
 def test_extended_score_methods_keep_the_flex_backend_on_cuda():
     """resolve_backend reads the wrapper's own has_score_term (an instance attribute), so a
     window or log_scaling on alibi stays on flex rather than materialising a dense bias."""
-    from posbench.attention import FLEX_AVAILABLE, resolve_backend
+    from posbench.model.attention import FLEX_AVAILABLE, resolve_backend
 
     alibi = build_method("alibi", ModelDims(32, 2, 1))
     cuda = torch.device("cuda")
@@ -358,7 +358,7 @@ def test_extended_score_methods_keep_the_flex_backend_on_cuda():
 def test_extension_cost_is_measured_against_the_plain_model_inside_the_context_too():
     """linear changes every angle, so it changes the loss inside C as well; its cost there is
     its loss minus the plain model's, not zero by construction."""
-    from posbench.evaluate import evaluate_model
+    from posbench.evaluation.loss import evaluate_model
 
     model = _tiny("rope")
     tokens = torch.randint(0, 64, (4 * (2 * C + 1),))

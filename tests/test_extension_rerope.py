@@ -1,5 +1,5 @@
 """ReRoPE (Su 2023, bojone/rerope) and Self-Extend (Jin et al. 2024, datamllab/LongLM) at
-evaluation (posbench/extension.py) against their reference patches' formulas, written here with
+evaluation (posbench/model/extension.py) against their reference patches' formulas, written here with
 transformers' Llama rotation, and for every rotary method against 'its own logit at the remapped
 positions', one (query, key) pair at a time."""
 
@@ -13,12 +13,19 @@ import torch
 from conftest import assert_causal_model, assert_matches_reference
 
 import posbench
-from posbench.errors import PosbenchError
-from posbench.evaluate import evaluate_model, per_position_loss
-from posbench.extension import EXTENSIONS, ExtendedPosition, Setting, extended, list_extensions, resolve_extensions
+from posbench.config.settings import EvalConfig, ReRoPEConfig, SelfExtendConfig, from_section
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.loss import evaluate_model, per_position_loss
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary, dense_score
-from posbench.settings import EvalConfig, ReRoPEConfig, SelfExtendConfig, from_section
+from posbench.model.extension import (
+    EXTENSIONS,
+    ExtendedPosition,
+    Setting,
+    extended,
+    list_extensions,
+    resolve_extensions,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
@@ -216,8 +223,8 @@ def test_settings_are_validated_and_recorded_in_the_entries():
 def test_entries_measured_with_other_settings_are_variants_labelled_by_them():
     """A rerope entry measured with another window never replaces the run's rerope entry: it is
     a variant labelled compactly by the settings (eval and copy probe entries alike)."""
-    from posbench.probes import probe_variant_label
-    from posbench.results import variant_label
+    from posbench.evaluation.probes.copy import probe_variant_label
+    from posbench.runs.results import variant_label
 
     old = {"extension": "rerope", "extension_options": {"window": 32, "leaky": None, "log_scaling": True}}
     new = {"extension": "rerope", "extension_options": {"window": 16, "leaky": None, "log_scaling": True}}

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from conftest import make_method as make
 from conftest import qk
 
-from posbench.attention import (
+from posbench.methods import DenseScore, dense_score
+from posbench.model.attention import (
     attend,
     causal_block_mask,
     fold_key_bias,
     prebuilt_block_mask,
 )
-from posbench.methods import DenseScore, dense_score
-from posbench.model import ModelConfig, build_model, chunked_lm_loss, lm_loss
+from posbench.model.transformer import ModelConfig, build_model, chunked_lm_loss, lm_loss
 
 FAST_METHODS = ["fire", "sandwich", "t5", "relative", "fox"]
 REPO = Path(__file__).resolve().parents[1]
@@ -214,7 +214,7 @@ def test_model_loss_chunk_switch_trains_as_the_default():
 
 
 def trainer_config(**values):
-    from posbench.settings import TrainerConfig
+    from posbench.config.settings import TrainerConfig
 
     cfg = TrainerConfig(**values)
     cfg.validate()
@@ -222,8 +222,8 @@ def trainer_config(**values):
 
 
 def test_a_cuda_graph_compile_mode_off_cuda_is_one_line():
-    from posbench.errors import PosbenchError
-    from posbench.optim import TrainStep
+    from posbench.core.errors import PosbenchError
+    from posbench.train.optim import TrainStep
 
     model = tiny_model("rope")
     t = trainer_config(compile="true", compile_mode="reduce-overhead")
@@ -235,7 +235,7 @@ def test_a_cuda_graph_compile_mode_off_cuda_is_one_line():
 
 
 def test_default_compile_mode_is_plain_torch_compile(monkeypatch):
-    from posbench.optim import compile_model
+    from posbench.train.optim import compile_model
 
     calls = []
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
@@ -246,7 +246,7 @@ def test_default_compile_mode_is_plain_torch_compile(monkeypatch):
 
 
 def test_cuda_graph_step_marks_every_micro_batch_and_keeps_no_graph_output(monkeypatch):
-    from posbench.optim import TrainStep
+    from posbench.train.optim import TrainStep
 
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
@@ -269,7 +269,7 @@ def test_cuda_graph_step_marks_every_micro_batch_and_keeps_no_graph_output(monke
 
 @pytest.mark.slow
 def test_kerple_projects_before_the_step_and_not_inside_a_compiled_forward():
-    from posbench.optim import TrainStep
+    from posbench.train.optim import TrainStep
 
     model = tiny_model("kerple", "sdpa")
     with torch.no_grad():
@@ -340,7 +340,7 @@ def test_speed_script_refuses_an_unknown_option_in_one_line(tmp_path):
 def test_compile_cache_points_inductor_and_triton_at_the_folder(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    from posbench.optim import compile_model
+    from posbench.train.optim import compile_model
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -379,8 +379,8 @@ def test_a_shared_fast_term_is_built_once_per_forward_for_all_layers(method, mon
 
 
 def test_an_evaluation_extension_keeps_fast_fox_exact_or_refuses_in_one_line():
-    from posbench.errors import PosbenchError
-    from posbench.extension import ExtendedPosition
+    from posbench.core.errors import PosbenchError
+    from posbench.model.extension import ExtendedPosition
 
     ref, fast = tiny_model("fox", "sdpa"), tiny_model("fox", "sdpa", fast=True)
     fast.load_state_dict(ref.state_dict())

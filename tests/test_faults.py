@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import QUICK_TRAIN, compose_config
 
-from posbench.errors import PosbenchError
-from posbench.results import discover_runs, write_status
-from posbench.spec import build_spec
-from posbench.train import train
+from posbench.core.errors import PosbenchError
+from posbench.runs.results import discover_runs, write_status
+from posbench.runs.spec import build_spec
+from posbench.train.trainer import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
 TESTS = Path(__file__).parent
@@ -24,7 +24,7 @@ QUIET = lambda _: None  # noqa: E731
 
 
 def posbench_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
                           env=env or ENV, timeout=600)
 
 
@@ -33,7 +33,7 @@ def run_train(run_dir: Path, *overrides: str) -> dict:
 
 
 def run_eval(run_dir: Path, *overrides: str) -> dict:
-    from posbench.runs import evaluate_saved_run
+    from posbench.commands.eval import evaluate_saved_run
 
     cfg = compose_config("eval", [f"run={run_dir}", "eval.num_sequences=2", "eval.batch_size=2", *overrides])
     return evaluate_saved_run(cfg, log=QUIET)
@@ -87,9 +87,9 @@ def test_a_killed_joblib_job_fails_alone_and_the_sweep_goes_on(tmp_path):
 def test_two_evals_of_one_run_at_once_keep_both_entries(trained, monkeypatch):
     """Eval A reads the run, evaluates; meanwhile eval B evaluates and writes; then A writes.
     A must merge into what B wrote, not into what it read before."""
-    import posbench.runs
+    import posbench.commands.eval
 
-    real = posbench.runs.evaluate_model
+    real = posbench.commands.eval.evaluate_model
     calls = []
 
     def interleaved(*args, **kwargs):
@@ -98,7 +98,7 @@ def test_two_evals_of_one_run_at_once_keep_both_entries(trained, monkeypatch):
             run_eval(trained, "eval.lengths=[128]")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(posbench.runs, "evaluate_model", interleaved)
+    monkeypatch.setattr(posbench.commands.eval, "evaluate_model", interleaved)
     run_eval(trained, "eval.lengths=[96]")
     assert lengths_of(trained) == [64, 96, 128]
 

@@ -16,7 +16,7 @@ from posbench.config import load_group_option
 from posbench.methods import ModelDims, build_method, dense_score
 from posbench.methods.base import ParameterDrift
 from posbench.methods.t5 import causal_bucket
-from posbench.train import train
+from posbench.train.trainer import train
 
 LEARNED = ["learned", "t5", "relative", "abs_attention", "cope", "fire", "kerple", "fox"]
 
@@ -160,7 +160,7 @@ def test_training_logs_position_parameter_norms_and_movement_at_each_validation(
     assert all(move > 0 for move in moves)
     assert all(r["position/bias.weight/norm"] > 0 for r in val_rows)
     # Against the checkpoint: the final movement is ||p_T - p_0|| / ||p_0|| with p_0 the seed's init.
-    from posbench.checkpoint import list_checkpoints, read_checkpoint
+    from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
 
     final = read_checkpoint(list_checkpoints(tmp_path)[-1])["model"]["position.bias.weight"].float()
     torch.manual_seed(0)  # the trainer seeds before building the model

@@ -16,14 +16,14 @@ import pytest
 from conftest import QUICK_TRAIN, compose_config
 from omegaconf import OmegaConf
 
-from posbench.errors import PosbenchError
-from posbench.train import TrainingInterrupted, train
+from posbench.core.errors import PosbenchError
+from posbench.train.trainer import TrainingInterrupted, train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
 
 
 def posbench_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
                           env=ENV, timeout=600, cwd=cwd)
 
 
@@ -32,7 +32,7 @@ def run_train(run_dir: Path, *overrides: str, log=lambda _: None) -> dict:
 
 
 def run_eval(run_dir: Path, *overrides: str, log=lambda _: None) -> dict:
-    from posbench.runs import evaluate_saved_run
+    from posbench.commands.eval import evaluate_saved_run
 
     cfg = compose_config("eval", [f"run={run_dir}", "eval.num_sequences=4", "eval.batch_size=4", "device=cpu",
                                   *overrides])
@@ -102,7 +102,7 @@ def test_a_sweep_sharing_one_runs_trainer_resume_is_refused_before_any_job(tmp_p
 def test_a_refused_resume_of_another_run_writes_nothing_there_and_fails_its_own_job(tmp_path):
     """A job refused for ``trainer.resume=<another sweep's run>``: that run stays byte for byte
     (no refused.json), the job's own directory records the failure, the sweep counts it."""
-    from posbench.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
+    from posbench.commands.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
 
     old = tmp_path / "old" / "0_alibi-s0"
     interrupted(old, "method=alibi")
@@ -123,8 +123,8 @@ def test_a_refused_resume_of_another_run_writes_nothing_there_and_fails_its_own_
 def test_a_sweep_job_that_continued_its_own_run_elsewhere_counts_as_finished(tmp_path):
     """Sweeping ``trainer.resume`` (one run per job): the job's own directory holds only Hydra's
     record, and the summary follows it to the run it finished instead of calling it missing."""
-    from posbench.runlog import HydraRecord
-    from posbench.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
+    from posbench.commands.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
+    from posbench.runs.runlog import HydraRecord
 
     old = tmp_path / "old" / "0_alibi-s0"
     interrupted(old, "method=alibi")
@@ -175,7 +175,7 @@ def test_eval_at_other_lengths_of_a_run_with_damaged_results_recomputes_its_own_
 def test_a_refused_eval_renames_nothing_in_a_damaged_run(finished):
     """A damaged results.json and a damaged newest checkpoint are reported, never renamed, by
     an eval that is refused (here: a length below the training context) and by viz."""
-    from posbench.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
+    from posbench.runs.checkpoint import list_checkpoints, read_checkpoint, save_checkpoint
 
     (finished / "results.json").write_text("[1, 2]")
     (newest,) = list_checkpoints(finished)
@@ -193,7 +193,7 @@ def test_a_refused_eval_renames_nothing_in_a_damaged_run(finished):
 
 
 def test_viz_renames_nothing_in_a_damaged_run(finished):
-    from posbench.runs import load_run
+    from posbench.runs.load import load_run
 
     (finished / "results.json").write_text("not json")
     before = snapshot(finished)
@@ -210,7 +210,7 @@ def test_eval_of_an_unfinished_run_refuses_first_in_one_line(tmp_path):
 
 
 def test_eval_of_a_busy_run_names_what_eval_takes(tmp_path):
-    from posbench.rundir import RunLock
+    from posbench.runs.rundir import RunLock
 
     with pytest.raises(PosbenchError):  # the final checkpoint, no results.json: eval would finish it
         run_train(tmp_path, "method=nope", "eval.lengths=[1000000]")
@@ -226,12 +226,12 @@ def test_eval_of_a_busy_run_names_what_eval_takes(tmp_path):
 
 @pytest.mark.parametrize("override", ["model.n_layers=100000000", "trainer.batch_size=100000000"])
 def test_a_model_too_large_is_refused_before_the_data_is_prepared(tmp_path, monkeypatch, override):
-    import posbench.train
+    import posbench.train.trainer
 
     def no_data(*args, **kwargs):
         raise AssertionError("the data was prepared before the memory check")
 
-    monkeypatch.setattr(posbench.train, "make_workload", no_data)
+    monkeypatch.setattr(posbench.train.trainer, "make_workload", no_data)
     with pytest.raises(PosbenchError, match="this run needs at least .* GiB") as refused:
         run_train(tmp_path, "method=nope", override)
     assert len(str(refused.value).splitlines()) == 1 and "lower" in str(refused.value)
@@ -243,7 +243,7 @@ def test_a_model_too_large_is_refused_before_the_data_is_prepared(tmp_path, monk
 def test_off_a_terminal_a_progress_line_comes_every_interval_with_rate_and_eta(monkeypatch):
     import io
 
-    import posbench.loggers as loggers
+    import posbench.train.loggers as loggers
 
     clock = [100.0]
     monkeypatch.setattr(loggers.time, "monotonic", lambda: clock[0])

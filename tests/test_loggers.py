@@ -1,4 +1,4 @@
-"""posbench.loggers: W&B offline without credentials, multirun, no-op loggers, graceful failure.
+"""posbench.train.loggers: W&B offline without credentials, multirun, no-op loggers, graceful failure.
 
 No network: credentials are hidden (HOME, WANDB_CONFIG_DIR and NETRC point into tmp_path), so
 ``mode: auto`` resolves to offline and wandb writes ``<run_dir>/wandb/offline-run-*``.
@@ -13,10 +13,10 @@ import pytest
 
 wandb = pytest.importorskip("wandb")
 
-from posbench import loggers  # noqa: E402
+from posbench.train import loggers  # noqa: E402
 from posbench.config import load_group_option  # noqa: E402
-from posbench.errors import PosbenchError  # noqa: E402
-from posbench.loggers import NullLogger, WandbLogger, make_logger  # noqa: E402
+from posbench.core.errors import PosbenchError  # noqa: E402
+from posbench.train.loggers import NullLogger, WandbLogger, make_logger  # noqa: E402
 
 CONFIG = {"method": {"name": "rope", "base": 10000.0}, "model": {"d_model": 64}, "seed": 0}
 

@@ -18,7 +18,7 @@ from transformers.models.t5.modeling_t5 import T5Attention
 
 import posbench
 from posbench.config import load_group_option
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, dense_score, method_class, method_options
 from posbench.methods.base import Rotary
 from posbench.methods.t5 import causal_bucket

@@ -12,10 +12,10 @@ from conftest import assert_matches_reference, causal, full_scores, make_method,
 from model_checks import alibi_bias, check_causal_and_trained
 
 import posbench
-from posbench.attention import resolve_backend
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 from posbench.methods import method_class, method_options
-from posbench.model import attention_backends
+from posbench.model.attention import resolve_backend
+from posbench.model.transformer import attention_backends
 
 C = 16  # a nominal training context; the checks run at 4 C
 H, D = 4, 8

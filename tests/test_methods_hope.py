@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from conftest import assert_causal_model, assert_matches_reference
 
 import posbench
-from posbench.errors import PosbenchError
-from posbench.extension import EXTENSIONS, Setting
+from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
+from posbench.model.extension import EXTENSIONS, Setting
 
 
 def reference_rotation(x, positions, base, train_context):
@@ -97,7 +97,7 @@ def test_a_run_cuts_at_its_own_training_context():
     (C = 64) silently kept a pair that never turns within its context. A run now fills it."""
     from conftest import compose_config
 
-    from posbench.spec import build_spec
+    from posbench.runs.spec import build_spec
 
     spec = build_spec(compose_config("train", ["task=flipflop", "method=hope"]))
     assert spec.trainer.context == 64 and spec.method_options["train_context"] == 64
@@ -106,6 +106,6 @@ def test_a_run_cuts_at_its_own_training_context():
     given = build_spec(compose_config("train", ["method=hope", "method.train_context=512"]))
     assert given.method_options["train_context"] == 512  # an explicit value is kept
     assert build_method("hope", ModelDims(64, 4, 1)).train_context == 256  # outside a run
-    from posbench.spec import MethodSpec
+    from posbench.runs.spec import MethodSpec
 
     assert MethodSpec.from_saved({"name": "hope"}).options["train_context"] == 256  # a run saved without it

@@ -13,14 +13,14 @@ from conftest import assert_causal_model, assert_matches_reference
 from omegaconf import OmegaConf
 
 import posbench
-from posbench.attention import FLEX_AVAILABLE
-from posbench.errors import PosbenchError
-from posbench.extension import EXTENSIONS, Setting, extended, resolve_extensions
+from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
 from posbench.methods.base import ParameterDrift
-from posbench.model import attention_backends, layer_windows
-from posbench.positions import randomize_max_from_config
-from posbench.spec import MethodSpec
+from posbench.model.attention import FLEX_AVAILABLE
+from posbench.model.extension import EXTENSIONS, Setting, extended, resolve_extensions
+from posbench.model.positions import randomize_max_from_config
+from posbench.model.transformer import attention_backends, layer_windows
+from posbench.runs.spec import MethodSpec
 
 VOCAB = 96
 C = 256
@@ -250,7 +250,7 @@ def test_viz_draws_a_schedule_layer_by_layer(tmp_path):
     distinct layer (NoPE's flat line, RoPE's decay)."""
     from conftest import compose_config
 
-    from posbench.viz import is_content_dependent, qk_decay, run_viz
+    from posbench.viz.command import is_content_dependent, qk_decay, run_viz
 
     dims = ModelDims(64, 4, 2)
     assert is_content_dependent(build_method("layers", dims, pattern=["t5", "fox"]), dims)

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from conftest import assert_matches_reference, causal, full_scores, layer_input, make_method, qk
 from model_checks import check_causal_and_trained
 
-from posbench.attention import resolve_backend
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 from posbench.methods import method_class
 from posbench.methods.path import CHUNK, householder_logits
+from posbench.model.attention import resolve_backend
 
 C = 40  # a nominal training context; 4 C = 160 spans three chunks of 64, the last one padded
 H, D = 4, 8

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from conftest import assert_causal_model, assert_matches_reference
 
 import posbench
-from posbench.errors import PosbenchError
-from posbench.extension import extended
+from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
 from posbench.methods.base import Rotary
+from posbench.model.extension import extended
 
 DIMS = ModelDims(d_model=32, n_heads=4, n_layers=2)  # head_dim 8
 

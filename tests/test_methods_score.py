@@ -12,9 +12,9 @@ from conftest import dense_term as dense
 from conftest import make_method as make
 
 import posbench
-from posbench.attention import attend, resolve_backend
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 from posbench.methods import dense_score
+from posbench.model.attention import attend, resolve_backend
 
 ALL_METHODS = posbench.list_methods()
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

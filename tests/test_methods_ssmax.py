@@ -12,10 +12,10 @@ from model_checks import alibi_bias, check_causal_and_trained, ids, small_model
 from torch import nn
 
 import posbench
-from posbench.attention import FLEX_AVAILABLE, attend, resolve_backend
-from posbench.errors import PosbenchError
-from posbench.extension import extended, resolve_extensions
+from posbench.core.errors import PosbenchError
 from posbench.methods import method_class, method_options
+from posbench.model.attention import FLEX_AVAILABLE, attend, resolve_backend
+from posbench.model.extension import extended, resolve_extensions
 
 C = 16  # a nominal training context; the checks run at 4 C
 H, D = 4, 8
@@ -150,7 +150,7 @@ def test_wrappers_keep_their_base_windows_and_normaliser(wrapper):
     """ssmax and dape over swan kept none of swan's windows, and over stickbreaking ran the
     softmax instead of the stick-breaking normaliser (the hooks were not delegated)."""
     from posbench.methods import ModelDims, build_method
-    from posbench.model import ModelConfig, build_model, layer_windows
+    from posbench.model.transformer import ModelConfig, build_model, layer_windows
 
     dims = ModelDims(32, H, 4)
     wrapped = build_method(wrapper, dims, base="swan")  # the base with its defaults: W = 128

@@ -13,11 +13,11 @@ from conftest import assert_causal_model, assert_matches_reference
 from torch import nn
 
 import posbench
-from posbench.attention import attend, resolve_backend
-from posbench.errors import PosbenchError
-from posbench.extension import extended
+from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
-from posbench.viz import recording_attention
+from posbench.model.attention import attend, resolve_backend
+from posbench.model.extension import extended
+from posbench.viz.command import recording_attention
 
 VOCAB = 96
 C = 256  # the training context the length checks are stated against (4 x C = 1024)

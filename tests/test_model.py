@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import posbench
 from posbench.config import load_group_option
-from posbench.errors import PosbenchError
-from posbench.model import ModelConfig, Transformer
+from posbench.core.errors import PosbenchError
+from posbench.model.transformer import ModelConfig, Transformer
 
 ALL_METHODS = posbench.list_methods()
 VOCAB = 256
@@ -456,7 +456,7 @@ def test_training_loss_in_cpu_chunks_equals_the_full_cross_entropy(monkeypatch):
     holds the logits); the loss and every gradient equal the full-logits cross-entropy."""
     import torch.nn.functional as F
 
-    import posbench.model as model_module
+    import posbench.model.transformer as model_module
 
     torch.manual_seed(0)
     model = posbench.create_model("rope", flavour="tiny", vocab_size=96)

@@ -1,4 +1,4 @@
-"""The passkey evaluation (posbench/passkey.py): windows, scoring against oracles, results entries."""
+"""The passkey evaluation (posbench/evaluation/probes/passkey.py): windows, scoring against oracles, results entries."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, prepare_data
 from posbench.data.retrieval import PasskeyText
-from posbench.errors import PosbenchError
-from posbench.passkey import CHANCE, build_windows, draw_haystacks, passkey_eval, passkey_summary
-from posbench.probes import merge_probe_entries
+from posbench.evaluation.probes.copy import merge_probe_entries
+from posbench.evaluation.probes.passkey import CHANCE, build_windows, draw_haystacks, passkey_eval, passkey_summary
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_the_evaluation_reads_held_out_text_only(prepared) -> None:
     ({"window": 3}, "unknown option.*eval.passkey.window"),
 ])
 def test_bad_passkey_settings_are_refused(passkey, message) -> None:
-    from posbench.settings import EvalConfig, from_section
+    from posbench.config.settings import EvalConfig, from_section
 
     with pytest.raises(PosbenchError, match=message):
         from_section(EvalConfig, "eval", {"probes": ["passkey"], "passkey": passkey})
@@ -165,9 +165,9 @@ PASSKEY = ["eval.passkey.lengths=[64,96]", "eval.passkey.depths=[0.0,1.0]", "eva
 def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_path) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
-    from posbench.results import read_results
-    from posbench.runs import evaluate_saved_run
-    from posbench.train import train
+    from posbench.commands.eval import evaluate_saved_run
+    from posbench.runs.results import read_results
+    from posbench.train.trainer import train
 
     run_dir = tmp_path / "run"
     train(compose_config("train", [*QUICK_TRAIN, "eval.probes=[passkey]", *PASSKEY]), run_dir, log=lambda _: None)
@@ -192,8 +192,8 @@ def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_pa
 def test_training_with_retrieval_inserts_and_records_it(tmp_path) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
-    from posbench.results import read_results
-    from posbench.train import train
+    from posbench.runs.results import read_results
+    from posbench.train.trainer import train
 
     run_dir = tmp_path / "run"
     options = ["data.retrieval.rate=1.0", "data.retrieval.kinds=[repeat_random]", "data.retrieval.span=4",

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from posbench.errors import PosbenchError
-from posbench.evaluate import band_means
-from posbench.plot import plot_runs, plot_single_run
-from posbench.results import (
+from posbench.commands.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.loss import band_means
+from posbench.report.plot import plot_runs, plot_single_run
+from posbench.runs.results import (
     build_results,
     discover_runs,
     read_metrics,
@@ -23,7 +24,6 @@ from posbench.results import (
     write_results,
     write_status,
 )
-from posbench.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
 
 PNG = b"\x89PNG\r\n\x1a\n"
 METHODS = {"rope": 0.0, "alibi": -0.1, "nope": 0.3}  # loss offsets; nope also blows up past 256
@@ -219,7 +219,7 @@ def _legend_clear_of_data(fig, ax) -> bool:
 
 
 def test_single_seed_figures_do_not_claim_a_mean_over_seeds() -> None:
-    from posbench.plot import position_figure, training_extrapolation_figure
+    from posbench.report.plot import position_figure, training_extrapolation_figure
 
     one = {"rope": [np.asarray(curve("rope", 0, 512))], "alibi": [np.asarray(curve("alibi", 0, 512))]}
     title = position_figure(one, [256], 512, "Loss by position").axes[0].get_title()
@@ -234,9 +234,9 @@ def test_single_seed_figures_do_not_claim_a_mean_over_seeds() -> None:
 
 
 def test_band_chart_does_not_start_at_zero_when_that_hides_the_differences() -> None:
-    from posbench.compare import Row
-    from posbench.plot import band_figure
-    from posbench.stats import Interval
+    from posbench.evaluation.stats import Interval
+    from posbench.report.compare import Row
+    from posbench.report.plot import band_figure
 
     def row(label: str, inner: float, head: float) -> Row:
         return Row(label, label, 1, {"band:0-256": Interval(inner, inner - 0.01, inner + 0.01, 6, "bootstrap"),
@@ -254,7 +254,7 @@ def test_band_chart_does_not_start_at_zero_when_that_hides_the_differences() -> 
 
 def test_sixteen_plus_curves_get_distinct_styles_and_the_legend_is_outside() -> None:
     import posbench
-    from posbench.plot import line_styles, position_figure
+    from posbench.report.plot import line_styles, position_figure
 
     labels = posbench.list_methods() + ["rope[steps=60]", "rope[copy 2]", "alibi[precision=fp32]", "window"]
     assert len(labels) >= 16

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_compare import C, entry, make_run, per_sequence
 
-from posbench.evaluate import curve_summary
-from posbench.results import discover_runs, write_results
+from posbench.evaluation.loss import curve_summary
+from posbench.runs.results import discover_runs, write_results
 
 
 def long_entry(method: str, seed: int, length: int = 1024, **extra: object) -> dict:
@@ -41,7 +41,7 @@ def extended(tmp_path: Path) -> Path:
 def test_an_extension_on_one_seed_is_paired_with_that_seed(extended: Path) -> None:
     """ntk on seed 0 equals seed 0's plain model: its change is 0, not seed 0 against the mean of
     seeds 0 and 1 (which read as +/-0.02 and coloured the cell "worse")."""
-    from posbench.plot_extension import _heatmap, _markdown, extension_matrix
+    from posbench.report.extension import _heatmap, _markdown, extension_matrix
 
     runs = discover_runs([extended])[0]
     seed0 = entry("rope", 0)["bands"]["256-512"]
@@ -61,7 +61,7 @@ def test_an_extension_on_one_seed_is_paired_with_that_seed(extended: Path) -> No
 
 @pytest.mark.slow
 def test_the_extension_files_name_the_seeds(extended: Path, tmp_path: Path) -> None:
-    from posbench.plot import plot_runs
+    from posbench.report.plot import plot_runs
 
     out = tmp_path / "out"
     plot_runs([extended], out, log=lambda _: None)
@@ -72,8 +72,8 @@ def test_the_extension_files_name_the_seeds(extended: Path, tmp_path: Path) -> N
 
 def test_extension_curves_name_the_seeds_they_are_over(extended: Path) -> None:
     """extension_curves said "2 seed(s)" and drew seed 0 only."""
-    from posbench.compare import group_runs
-    from posbench.plot_extension import _curves
+    from posbench.report.compare import group_runs
+    from posbench.report.extension import _curves
 
     runs = group_runs(discover_runs([extended])[0])["rope"].runs
     fig = _curves(runs, "rope", "validation")
@@ -97,7 +97,7 @@ def test_a_length_some_seeds_lack_is_drawn_with_its_seeds_named(extended: Path, 
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """loss_by_position_1024 drew seed 0 of the 2-seed rope group as "rope", and alibi, never
     evaluated at 1024, went missing without a note."""
-    import posbench.plot as plot
+    import posbench.report.plot as plot
 
     drawn = {}
     original = plot.save

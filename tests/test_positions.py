@@ -1,4 +1,4 @@
-"""Randomized positions (posbench.positions): the seeded draw, its config checks, and per-sequence
+"""Randomized positions (posbench.model.positions): the seeded draw, its config checks, and per-sequence
 positions in the model for every method that reads position ids."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from omegaconf import OmegaConf
 
 import posbench
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
-from posbench.positions import draw_positions, method_label, randomize_max_from_config
+from posbench.model.positions import draw_positions, method_label, randomize_max_from_config
 
 ALL_METHODS = posbench.list_methods()
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -1,4 +1,4 @@
-"""The copy probe (posbench/probes.py): window construction (repeat, control, matched control), the
+"""The copy probe (posbench/evaluation/probes/copy.py): window construction (repeat, control, matched control), the
 retrieval gain against hand-built models that cannot and can copy, the receptive-field rule of
 window models, untrained models, determinism, held-out text only, entries written before the
 matched control existed, and its results.json integration."""
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import posbench
-from posbench.errors import PosbenchError
-from posbench.probes import (
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.probes.copy import (
     NO_MATCHED,
     REACH_MIN_GAIN,
     cell_for,
@@ -272,7 +272,7 @@ def test_cells_past_learned_positions_are_left_out_on_the_same_windows() -> None
 
 
 def test_tables_recompute_the_reach_from_the_cells() -> None:
-    from posbench.plot_probes import mean_reach
+    from posbench.report.probes import mean_reach
 
     cells = [{"kind": "random", "region": "inside", "distance": 32, "gain": 3.0, "retrieval_gain": 0.2},
              {"kind": "random", "region": "past", "distance": 32, "gain": 3.0, "retrieval_gain": 0.2}]
@@ -282,7 +282,7 @@ def test_tables_recompute_the_reach_from_the_cells() -> None:
 
 
 def test_probe_summary_for_the_tracker() -> None:
-    from posbench.probes import probe_summary
+    from posbench.evaluation.probes.copy import probe_summary
 
     cells = [{"kind": "random", "region": "inside", "distance": 32, "gain": 2.0, "retrieval_gain": 1.6},
              {"kind": "random", "region": "past", "distance": 64, "gain": 1.5, "retrieval_gain": 1.0}]
@@ -299,7 +299,7 @@ def test_probe_summary_for_the_tracker() -> None:
 
 
 def test_cells_with_the_same_repeat_position_share_one_control_pass(monkeypatch) -> None:
-    import posbench.probes as probes
+    import posbench.evaluation.probes.copy as probes
 
     calls: list[int] = []
     real = probes.cell_losses
@@ -349,7 +349,7 @@ def test_the_probe_reads_held_out_text_only() -> None:
             self.asked.append(split)
             return stream()
 
-    from posbench.settings import EvalConfig, from_section
+    from posbench.config.settings import EvalConfig, from_section
 
     evaluation = from_section(EvalConfig, "eval", {"probes": ["copy"], "copy": {"distances": [8, 40], "span": K,
                                                                                 "num_windows": 4}})
@@ -369,7 +369,7 @@ def test_the_probe_reads_held_out_text_only() -> None:
                                            ({"num_windows": 1}, "eval.copy.num_windows"),
                                            ({"bogus": 1}, "eval.copy.bogus")])
 def test_bad_copy_settings_are_refused(copy, message) -> None:
-    from posbench.settings import EvalConfig, from_section
+    from posbench.config.settings import EvalConfig, from_section
 
     with pytest.raises(PosbenchError, match=message):
         from_section(EvalConfig, "eval", {"copy": copy})
@@ -388,9 +388,9 @@ def test_merge_keeps_other_probe_entries() -> None:
 def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
-    from posbench.results import read_results
-    from posbench.runs import evaluate_saved_run
-    from posbench.train import train
+    from posbench.commands.eval import evaluate_saved_run
+    from posbench.runs.results import read_results
+    from posbench.train.trainer import train
 
     probe_options = ["eval.probes=[copy]", "eval.copy.distances=[8,40]", "eval.copy.span=4",
                      "eval.copy.num_windows=4", "eval.copy.kinds=[random]"]
@@ -414,7 +414,7 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     train(compose_config("train", [*QUICK_TRAIN, "seed=1"]), other, log=lambda _: None)
     assert "probes" not in read_results(other)
     # posbench plot: the figure and the table, the extension as its own row; the run without probes is left out
-    from posbench.plot import plot_runs
+    from posbench.report.plot import plot_runs
 
     out = tmp_path / "comparison"
     written = plot_runs([str(run), str(other)], out, log=lambda _: None)["files"]
@@ -452,7 +452,7 @@ def test_the_gain_figure_keeps_its_legend_off_both_panels() -> None:
     """24 groups (a full sweep and the window baseline): the legend sits right of the panels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from posbench.plot_probes import _gain_figure
+    from posbench.report.probes import _gain_figure
 
     groups = {f"method{i}": [fake_probe_entry(0.1 * i)] for i in range(24)}
     fig = _gain_figure(groups, "random")
@@ -490,8 +490,8 @@ def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -
     own two entries); entries on other windows are their own line, never pooled."""
     from test_compare import make_run
 
-    from posbench.plot_probes import cell_intervals, copy_markdown, probe_groups
-    from posbench.results import discover_runs, write_results
+    from posbench.report.probes import cell_intervals, copy_markdown, probe_groups
+    from posbench.runs.results import discover_runs, write_results
 
     for seed, probes in ((0, [fake_probe_entry(1.0), fake_probe_entry(2.0, split="test")]),
                          (1, [fake_probe_entry(1.2), fake_probe_entry(0.2, windows="w8", num_windows=8,
@@ -516,9 +516,9 @@ def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, 
     it is one clear line."""
     from conftest import QUICK_TRAIN, compose_config
 
-    from posbench.results import read_results
-    from posbench.runs import evaluate_saved_run
-    from posbench.train import train
+    from posbench.commands.eval import evaluate_saved_run
+    from posbench.runs.results import read_results
+    from posbench.train.trainer import train
 
     run = tmp_path / "run"
     train(compose_config("train", QUICK_TRAIN), run, log=lambda _: None)
@@ -529,7 +529,7 @@ def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, 
     def no_loss_curves(*args, **kwargs):
         raise AssertionError("probes_only=true must not evaluate the loss curves")
 
-    monkeypatch.setattr("posbench.runs.evaluate_model", no_loss_curves)
+    monkeypatch.setattr("posbench.commands.eval.evaluate_model", no_loss_curves)
     evaluate_saved_run(compose_config("eval", [f"run={run}", "probes_only=true", *probe_options]), log=lambda _: None)
     after = read_results(run)
     assert after["eval"] == before["eval"] and "eval_variants" not in after
@@ -546,10 +546,10 @@ def test_entries_written_before_the_matched_control_load_without_a_retrieval_gai
     everywhere, and is shown as lacking the retrieval gain and the reach, never as having them."""
     from test_compare import make_run
 
-    from posbench.plot_probes import cell_intervals, copy_csv, copy_markdown, mean_reach
-    from posbench.plot_probes import probe_groups as groups_of
-    from posbench.probes import entry_reach, format_gains, has_matched
-    from posbench.results import discover_runs, write_results
+    from posbench.evaluation.probes.copy import entry_reach, format_gains, has_matched
+    from posbench.report.probes import cell_intervals, copy_csv, copy_markdown, mean_reach
+    from posbench.report.probes import probe_groups as groups_of
+    from posbench.runs.results import discover_runs, write_results
 
     old = fake_probe_entry(1.0, matched=False)
     assert not has_matched(old) and entry_reach(old, "random") is None and mean_reach([old], "random") is None
@@ -585,8 +585,8 @@ def test_a_stored_entry_of_the_previous_format_loads() -> None:
     """A copy probe entry as earlier versions wrote it into results.json (a cpu_quick run in docs/)."""
     import json
 
-    from posbench.plot_probes import copy_markdown
-    from posbench.probes import entry_reach, has_matched
+    from posbench.evaluation.probes.copy import entry_reach, has_matched
+    from posbench.report.probes import copy_markdown
 
     stored = Path(__file__).resolve().parents[1] / "docs" / "cpu_quick" / "runs" / "rope-s0" / "results.json"
     (entry,) = [e for e in json.loads(stored.read_text())["probes"] if e.get("extension", "none") == "none"]

@@ -16,12 +16,12 @@ import torch
 from conftest import QUICK_TRAIN, compose_config
 from omegaconf import OmegaConf
 
-from posbench.checkpoint import list_checkpoints, read_checkpoint
-from posbench.errors import PosbenchError
-from posbench.resume import check_resumable
-from posbench.rundir import RunLock
-from posbench.spec import build_spec
-from posbench.train import Trainer, TrainingInterrupted, train
+from posbench.core.errors import PosbenchError
+from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
+from posbench.runs.resume import check_resumable
+from posbench.runs.rundir import RunLock
+from posbench.runs.spec import build_spec
+from posbench.train.trainer import Trainer, TrainingInterrupted, train
 
 
 def run_train(run_dir: Path, *overrides: str, log=lambda _: None) -> dict:
@@ -38,7 +38,7 @@ def status_of(run_dir: Path) -> dict:
 
 
 def evaluate(run_dir: Path, log=lambda _: None) -> dict:
-    from posbench.runs import evaluate_saved_run
+    from posbench.commands.eval import evaluate_saved_run
 
     cfg = compose_config("eval", [f"run={run_dir}", "eval.lengths=[64]", "eval.num_sequences=4",
                                   "eval.batch_size=4", "device=cpu"])
@@ -82,7 +82,7 @@ def test_posbench_eval_refuses_a_run_with_steps_left_to_train(tmp_path):
 
 @pytest.mark.slow
 def test_a_refused_resume_leaves_the_runs_record_and_counts_as_failed(tmp_path):
-    from posbench.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
+    from posbench.commands.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
 
     job = tmp_path / "sweep" / "0"
     run_train(job, "method=nope")
@@ -111,7 +111,7 @@ def test_a_second_training_into_a_locked_run_directory_is_refused(tmp_path):
 @pytest.mark.slow
 def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     holder = subprocess.run(
-        [sys.executable, "-c", "import os, signal, sys; from posbench.rundir import RunLock; "
+        [sys.executable, "-c", "import os, signal, sys; from posbench.runs.rundir import RunLock; "
          "RunLock(sys.argv[1]).__enter__(); os.kill(os.getpid(), signal.SIGKILL)", str(tmp_path)])
     assert holder.returncode == -signal.SIGKILL and (tmp_path / RunLock.OWNER_FILE).exists()
     assert run_train(tmp_path, "method=alibi")["train"]["steps"] == 6
@@ -199,7 +199,7 @@ def test_token_ids_past_the_vocabulary_are_refused_when_the_data_is_opened(tmp_p
     import numpy as np
 
     from posbench.data import prepare_data
-    from posbench.spec import data_config
+    from posbench.runs.spec import data_config
 
     cfg = compose_config("train", [*QUICK_TRAIN, f"data.cache_dir={tmp_path}"])
     prepared = prepare_data(data_config(cfg.data), log=lambda _: None)
@@ -261,10 +261,10 @@ def test_stray_temporary_files_of_a_killed_write_are_removed_at_the_next_start(t
 
 @pytest.mark.slow
 def test_validation_also_scores_the_band_past_the_training_context(tmp_path, monkeypatch):
-    import posbench.loggers
+    import posbench.train.loggers
 
     logged = {}
-    make_logger = posbench.loggers.make_logger
+    make_logger = posbench.train.loggers.make_logger
 
     def recording_logger(*args, **kwargs):
         real = make_logger(*args, **kwargs)
@@ -272,7 +272,7 @@ def test_validation_also_scores_the_band_past_the_training_context(tmp_path, mon
         real.log_metrics = lambda metrics, step: (logged.setdefault(step, {}).update(metrics), log_metrics(metrics, step))
         return real
 
-    monkeypatch.setattr(posbench.loggers, "make_logger", recording_logger)
+    monkeypatch.setattr(posbench.train.loggers, "make_logger", recording_logger)
     run_train(tmp_path, "method=alibi", "trainer.val_every=3", "trainer.val_extrapolation_sequences=2")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     validation = [r for r in rows if "val_loss" in r]

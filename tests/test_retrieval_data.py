@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, TrainBatches, prepare_data
 from posbench.data.retrieval import (
     KEY_DIGITS,
@@ -15,7 +16,6 @@ from posbench.data.retrieval import (
     placement,
     retrieval_config,
 )
-from posbench.errors import PosbenchError
 
 CONTEXT = 256
 
@@ -41,7 +41,7 @@ def test_rate_zero_is_bitwise_todays_batches(prepared) -> None:
 
     import torch
 
-    from posbench.workload import TextWorkload
+    from posbench.train.workload import TextWorkload
 
     assert make_inserter(RetrievalConfig(), CONTEXT, prepared, 0) is None
     trainer = SimpleNamespace(context=CONTEXT, batch_size=8)
@@ -57,7 +57,7 @@ def test_rate_zero_is_bitwise_todays_batches(prepared) -> None:
 def test_a_composed_run_has_it_off_and_the_option_reaches_the_spec() -> None:
     from conftest import compose_config
 
-    from posbench.spec import build_spec
+    from posbench.runs.spec import build_spec
 
     for preset in ("sample", "synthetic", "local", "tinystories"):
         cfg = compose_config("train", [f"data={preset}"])
@@ -178,7 +178,7 @@ def test_the_key_and_its_pieces_concatenate_to_the_sentence(prepared) -> None:
 
 
 def test_the_resume_check_sees_the_option(prepared) -> None:
-    from posbench.workload import TextWorkload
+    from posbench.train.workload import TextWorkload
 
     off = TextWorkload(prepared).identity()
     on = TextWorkload(prepared, RetrievalConfig(rate=0.5)).identity()
@@ -191,7 +191,7 @@ def test_the_resume_check_sees_the_option(prepared) -> None:
 def test_a_task_run_refuses_the_option() -> None:
     from conftest import compose_config
 
-    from posbench.spec import build_spec
+    from posbench.runs.spec import build_spec
 
     with pytest.raises(PosbenchError, match="task=flipflop runs have none; drop data.retrieval.rate"):
         build_spec(compose_config("train", ["task=flipflop", "data.retrieval.rate=0.5"]))

@@ -18,7 +18,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MOD
 
 
 def posbench_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
                           env=ENV, timeout=600, cwd=cwd)
 
 
@@ -61,7 +61,7 @@ def test_an_output_folder_naming_an_existing_file_is_one_line(tmp_path, command,
 @pytest.mark.slow
 def test_a_start_refused_by_the_lock_leaves_nothing_in_the_run(tmp_path):
     """Hydra used to write .hydra/ (and append to train.log) before posbench took the lock."""
-    from posbench.rundir import RunLock
+    from posbench.runs.rundir import RunLock
 
     run_dir = tmp_path / "run"
     done = posbench_cli("train", *QUICK_TRAIN, "method=alibi", f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -106,8 +106,8 @@ def test_a_config_typo_in_an_existing_folder_is_recorded_there(tmp_path):
 def test_a_read_only_empty_cache_is_one_line(tmp_path, monkeypatch, error):
     """Root ignores file modes, so the read-only folder is simulated where the OS would refuse:
     at every folder or file created inside the cache."""
+    from posbench.core.errors import PosbenchError
     from posbench.data import DataConfig, prepare_data
-    from posbench.errors import PosbenchError
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -128,8 +128,8 @@ def test_a_read_only_empty_cache_is_one_line(tmp_path, monkeypatch, error):
 
 
 def test_a_cache_path_naming_a_file_is_one_line(tmp_path):
+    from posbench.core.errors import PosbenchError
     from posbench.data import DataConfig, prepare_data
-    from posbench.errors import PosbenchError
 
     (tmp_path / "file").write_text("")
     for cache in (tmp_path / "file", tmp_path / "file" / "cache"):
@@ -150,14 +150,14 @@ def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_che
 
     from conftest import compose_config
 
-    import posbench.checkpoint
-    import posbench.io
-    from posbench.checkpoint import list_checkpoints, read_checkpoint
-    from posbench.errors import PosbenchError
-    from posbench.runlog import HydraRecord
-    from posbench.train import train
+    import posbench.core.io
+    import posbench.runs.checkpoint
+    from posbench.core.errors import PosbenchError
+    from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
+    from posbench.runs.runlog import HydraRecord
+    from posbench.train.trainer import train
 
-    real_save, real_mkstemp, saves = posbench.checkpoint.torch.save, tempfile.mkstemp, []
+    real_save, real_mkstemp, saves = posbench.runs.checkpoint.torch.save, tempfile.mkstemp, []
 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", kwargs.get("dir") or args[-1])
@@ -168,16 +168,16 @@ def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_che
             return real_save(obj, path, *args, **kwargs)
         Path(path).write_bytes(b"PK\x03\x04 half a checkpoint")
         if stays_full:
-            monkeypatch.setattr(posbench.io.tempfile, "mkstemp", full_disk)
+            monkeypatch.setattr(posbench.core.io.tempfile, "mkstemp", full_disk)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(posbench.checkpoint.torch, "save", save)
+    monkeypatch.setattr(posbench.runs.checkpoint.torch, "save", save)
     cfg = compose_config("train", [*QUICK_TRAIN, "method=rope", "trainer.checkpoint_every_steps=2"])
     # The CLI's Hydra record (.hydra/) is written on the way out too: on the full disk as well.
     record = HydraRecord(tmp_path, {"overrides.yaml": "- method=rope\n"}, multirun=False, created=[])
     with pytest.raises(PosbenchError) as failed:
         train(cfg, tmp_path, log=lambda _: None, hydra_record=record)
-    monkeypatch.setattr(posbench.io.tempfile, "mkstemp", real_mkstemp)
+    monkeypatch.setattr(posbench.core.io.tempfile, "mkstemp", real_mkstemp)
     message = str(failed.value)
     assert "\n" not in message and message.startswith("no space left on the device")
     status = json.loads((tmp_path / "status.json").read_text())
@@ -191,7 +191,7 @@ def test_a_full_disk_under_the_log_file_is_one_warning_line(tmp_path, monkeypatc
     """logging prints a traceback for every record a handler fails to write."""
     import logging
 
-    from posbench.runlog import DeferredFileHandler
+    from posbench.runs.runlog import DeferredFileHandler
 
     class FullDisk:
         def write(self, text):
@@ -218,7 +218,7 @@ def test_a_full_disk_under_the_log_file_is_one_warning_line(tmp_path, monkeypatc
 def test_the_log_file_keeps_lines_until_the_run_is_held_and_never_writes_dropped_ones(tmp_path):
     import logging
 
-    from posbench.runlog import DeferredFileHandler
+    from posbench.runs.runlog import DeferredFileHandler
 
     def record(text):
         return logging.LogRecord("posbench", logging.INFO, __file__, 1, text, None, None)
@@ -241,10 +241,10 @@ def test_the_log_file_keeps_lines_until_the_run_is_held_and_never_writes_dropped
 def test_a_config_error_next_to_a_run_another_process_holds_writes_nothing_there(tmp_path):
     from conftest import compose_config
 
-    from posbench.errors import PosbenchError
-    from posbench.results import write_status
-    from posbench.rundir import RunLock
-    from posbench.train import train
+    from posbench.core.errors import PosbenchError
+    from posbench.runs.results import write_status
+    from posbench.runs.rundir import RunLock
+    from posbench.train.trainer import train
 
     write_status(tmp_path, "running", method="alibi", seed=0)
     before = snapshot(tmp_path)

@@ -15,10 +15,10 @@ import torch
 import yaml
 from conftest import QUICK_TRAIN, compose_config
 
-from posbench.checkpoint import checksum_path, list_checkpoints
-from posbench.errors import PosbenchError
-from posbench.io import file_sha256
-from posbench.train import train
+from posbench.core.errors import PosbenchError
+from posbench.core.io import file_sha256
+from posbench.runs.checkpoint import checksum_path, list_checkpoints
+from posbench.train.trainer import train
 
 QUIET = lambda _: None  # noqa: E731
 
@@ -28,7 +28,7 @@ def run_train(run_dir: Path, *overrides: str, log=QUIET, **kwargs) -> dict:
 
 
 def run_eval(run_dir: Path, *overrides: str, log=QUIET) -> dict:
-    from posbench.runs import evaluate_saved_run
+    from posbench.commands.eval import evaluate_saved_run
 
     return evaluate_saved_run(compose_config("eval", [f"run={run_dir}", "device=cpu", *overrides]), log=log)
 
@@ -75,7 +75,7 @@ def old_t5_run(old_t5_once: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_t5_run_from_before_bias_scale_is_rebuilt_with_the_unscaled_bias(old_t5_run):
-    from posbench.runs import load_run
+    from posbench.runs.load import load_run
 
     assert load_run(old_t5_run).model.position.bias_scale == 1.0  # not today's sqrt(head_dim)
     before = results_of(old_t5_run)
@@ -98,7 +98,7 @@ def test_resuming_an_old_t5_run_names_its_bias_scale(old_t5_run):
 
 
 def test_new_runs_record_the_options_whose_default_changed():
-    from posbench.spec import MethodSpec
+    from posbench.runs.spec import MethodSpec
 
     assert MethodSpec.from_config("t5").recorded().options == {"bias_scale": None, "fast": False}
     assert MethodSpec.from_saved("t5").options == {"bias_scale": 1.0, "fast": False}
@@ -111,7 +111,7 @@ def test_new_runs_record_the_options_whose_default_changed():
 @pytest.fixture
 def bf16_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A run trained with precision=auto on a CPU with native bf16 (it resolved to bf16)."""
-    import posbench.hardware as hardware
+    import posbench.runtime.hardware as hardware
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
     run_dir = tmp_path / "run"
@@ -122,7 +122,7 @@ def bf16_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.slow
 def test_eval_records_the_precision_it_resolved_and_compares_with_the_runs(bf16_run, monkeypatch):
-    import posbench.hardware as hardware
+    import posbench.runtime.hardware as hardware
 
     before = results_of(bf16_run)
     run_eval(bf16_run, "precision=bf16")  # what the run measured in: the same measurement
@@ -153,7 +153,7 @@ def test_an_auto_run_of_unknown_precision_is_never_the_same(bf16_run):
 ])
 @pytest.mark.slow
 def test_a_refused_start_leaves_the_runs_hydra_record_and_log(tmp_path, overrides, message):
-    from posbench.runlog import DeferredFileHandler, HydraRecord
+    from posbench.runs.runlog import DeferredFileHandler, HydraRecord
 
     run_dir = tmp_path / "run"
     run_train(run_dir, "method=rope")
@@ -177,7 +177,7 @@ def test_a_refused_start_leaves_the_runs_hydra_record_and_log(tmp_path, override
 
 
 def test_a_failed_start_in_a_fresh_directory_keeps_its_hydra_record(tmp_path):
-    from posbench.runlog import HydraRecord
+    from posbench.runs.runlog import HydraRecord
 
     record = HydraRecord(tmp_path, {"overrides.yaml": "- trainer.lr=abc\n"}, multirun=False, created=[])
     with pytest.raises(PosbenchError, match="trainer.lr"):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from posbench.stats import (
+from posbench.evaluation.stats import (
     ONE_SEED,
     Interval,
     SeedSpread,

@@ -16,17 +16,17 @@ import pytest
 import torch
 from conftest import compose_config
 
-from posbench.errors import PosbenchError
+from posbench.config.settings import EvalConfig, from_section
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.stats import bootstrap_interval
+from posbench.evaluation.tasks import answer_scores, evaluate_task, task_entry
 from posbench.methods import list_methods
-from posbench.model import ModelConfig, build_model, lm_loss
-from posbench.results import RunRecord
-from posbench.settings import EvalConfig, from_section
-from posbench.spec import build_spec
-from posbench.stats import bootstrap_interval
+from posbench.model.transformer import ModelConfig, build_model, lm_loss
+from posbench.report.tasks import interval, task_tables
+from posbench.runs.results import RunRecord
+from posbench.runs.spec import build_spec
 from posbench.tasks import IGNORE, TEST, VALID, TaskBatches, list_tasks, make_task
-from posbench.tasks.evaluate import answer_scores, evaluate_task, task_entry
-from posbench.tasks.report import interval, task_tables
-from posbench.train import train
+from posbench.train.trainer import train
 
 C = 32
 TASKS = {"flipflop": {}, "assoc_recall": {"num_pairs": 4, "num_keys": 32, "num_values": 16}, "copy": {"num_symbols": 8}}
@@ -172,7 +172,7 @@ def test_training_loss_counts_only_answer_targets(monkeypatch):
     changed[b, t_] += 5.0  # one answer's logits move
     assert not torch.equal(lm_loss(changed, model.lm_head, y), loss)
     # the CPU path that makes the logits a chunk of rows at a time takes the same mean over answers
-    import posbench.model as model_module
+    import posbench.model.transformer as model_module
 
     reference = torch.nn.functional.cross_entropy(model.lm_head(hidden).flatten(0, 1), y.flatten())
     monkeypatch.setattr(model_module, "CPU_LOGITS_CHUNK_BYTES", 4 * t.vocab_size * 7)  # 7 rows per chunk
@@ -183,7 +183,7 @@ def test_training_loss_counts_only_answer_targets(monkeypatch):
 def test_a_micro_batch_without_answers_adds_zero_loss(monkeypatch, chunk_rows):
     """Sparse flip-flop (p_ignore 0.98) leaves most short micro-batches without a read: their loss
     was 0 / 0 = NaN and stopped the run at step 1 with a misleading message."""
-    import posbench.model as model_module
+    import posbench.model.transformer as model_module
 
     t = task("flipflop")
     if chunk_rows is not None:  # the CPU path that makes the logits a chunk of rows at a time
@@ -278,7 +278,7 @@ def test_randomized_positions_and_the_window_baseline_train_on_a_task(tmp_path):
 def test_task_evaluation_uses_the_extension_settings():
     """eval.rerope.* / eval.self_extend.* reach a task's evaluation as a text run's, and the
     entry records them (they were dropped: the extensions ran at their defaults)."""
-    from posbench.extension import extended
+    from posbench.model.extension import extended
 
     t = task("flipflop")
     model = tiny_model(t.vocab_size)
@@ -325,7 +325,7 @@ def test_bad_task_options_are_one_line(section, message):
 
 
 def posbench_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True, env=ENV,
+    proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True, env=ENV,
                           timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -412,8 +412,8 @@ def test_the_training_loss_does_not_depend_on_the_micro_batching(tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_task_run_resumes_to_the_uninterrupted_result(tmp_path):
-    from posbench.runs import evaluate_saved_run
-    from posbench.train import TrainingInterrupted
+    from posbench.commands.eval import evaluate_saved_run
+    from posbench.train.trainer import TrainingInterrupted
 
     quick = ["task=flipflop", "method=rope", *QUICK_TASK, "trainer.checkpoint_every_steps=2"]
     train(compose_config("train", quick), tmp_path / "whole", log=lambda _: None)

@@ -15,16 +15,16 @@ import pytest
 import torch
 from conftest import compose_config
 
-from posbench.errors import PosbenchError
-from posbench.model import ModelConfig, build_model
-from posbench.plot import plot_runs
-from posbench.results import RunRecord
-from posbench.settings import EvalConfig
+from posbench.config.settings import EvalConfig
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.tasks import answer_details, evaluate_task, learnt_at_c
+from posbench.model.transformer import ModelConfig, build_model
+from posbench.report.plot import plot_runs
+from posbench.report.tasks import tables_csv, tables_markdown, task_tables
+from posbench.runs.results import RunRecord
 from posbench.tasks import TEST, make_task
-from posbench.tasks.evaluate import answer_details, evaluate_task, learnt_at_c
-from posbench.tasks.report import tables_csv, tables_markdown, task_tables
-from posbench.tasks.workload import TaskWorkload
-from posbench.train import train
+from posbench.train.task_workload import TaskWorkload
+from posbench.train.trainer import train
 
 C = 64
 QUICK = ["logger=none", "trainer.context=32", "trainer.max_steps=4", "trainer.batch_size=8", "trainer.log_every=2",
@@ -315,8 +315,8 @@ def test_a_copy_checkpoint_from_before_shifted_training_still_resumes():
     refused. A run that switches it on is another data stream and keeps a different identity."""
     from conftest import compose_config
 
-    from posbench.spec import build_spec
-    from posbench.tasks.workload import TaskWorkload
+    from posbench.runs.spec import build_spec
+    from posbench.train.task_workload import TaskWorkload
 
     def identity(*overrides: str) -> dict[str, str]:
         spec = build_spec(compose_config("train", ["task=copy", "logger=none", *overrides]))

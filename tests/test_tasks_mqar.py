@@ -12,12 +12,12 @@ import pytest
 import torch
 from conftest import compose_config
 
-from posbench.errors import PosbenchError
-from posbench.results import RunRecord
-from posbench.spec import build_spec
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.tasks import sequence_accuracy, task_entry
+from posbench.report.tasks import tables_csv, tables_markdown, task_figure, task_tables
+from posbench.runs.results import RunRecord
+from posbench.runs.spec import build_spec
 from posbench.tasks import IGNORE, TEST, Batch, TaskBatches, make_task
-from posbench.tasks.evaluate import sequence_accuracy, task_entry
-from posbench.tasks.report import tables_csv, tables_markdown, task_figure, task_tables
 
 C = 64
 N = 8

@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import QUICK_TRAIN, compose_config
 
-from posbench.checkpoint import list_checkpoints, read_checkpoint
-from posbench.errors import PosbenchError
-from posbench.optim import lr_lambda
-from posbench.spec import build_spec
-from posbench.train import TrainingInterrupted, train
+from posbench.core.errors import PosbenchError
+from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
+from posbench.runs.spec import build_spec
+from posbench.train.optim import lr_lambda
+from posbench.train.trainer import TrainingInterrupted, train
 
 
 def run_train(run_dir: Path, *overrides: str) -> dict:
@@ -140,7 +140,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes(tmp_path):
     """A real signal to a real training process (what SLURM does before preemption)."""
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "posbench.cli", "train", *QUICK_TRAIN, "method=alibi",
+    args = [sys.executable, "-m", "posbench.commands.cli", "train", *QUICK_TRAIN, "method=alibi",
             "trainer.max_steps=100000", "trainer.log_every=1", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -237,8 +237,8 @@ def test_results_record_the_software_versions(tmp_path):
 def test_runs_record_the_precision_they_resolved(tmp_path, monkeypatch, native):
     """trainer.precision=auto is recorded as what it resolved to, with the
     autocast dtype, the device name and torch, in results.json, the W&B config and the log."""
-    import posbench.hardware as hardware
-    import posbench.loggers as loggers
+    import posbench.runtime.hardware as hardware
+    import posbench.train.loggers as loggers
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
     configs, lines = [], []
@@ -257,8 +257,8 @@ def test_runs_record_the_precision_they_resolved(tmp_path, monkeypatch, native):
 
 
 def test_precision_auto_is_bf16_where_the_cpu_has_native_bf16(monkeypatch):
-    import posbench.hardware as hardware
-    from posbench.device import autocast_dtype
+    import posbench.runtime.hardware as hardware
+    from posbench.runtime.device import autocast_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
@@ -269,7 +269,7 @@ def test_precision_auto_is_bf16_where_the_cpu_has_native_bf16(monkeypatch):
 
 
 def test_native_bf16_detection_agrees_with_cpuinfo():
-    from posbench.hardware import NATIVE_BF16_FLAGS, cpu_has_native_bf16
+    from posbench.runtime.hardware import NATIVE_BF16_FLAGS, cpu_has_native_bf16
 
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.is_file():
@@ -278,7 +278,7 @@ def test_native_bf16_detection_agrees_with_cpuinfo():
 
 
 def test_cpu_allocator_tuning_leaves_a_users_allocator_choice_alone():
-    from posbench.hardware import tune_cpu_allocator
+    from posbench.runtime.hardware import tune_cpu_allocator
 
     chosen = {"MALLOC_TRIM_THRESHOLD_": "0"}
     assert tune_cpu_allocator(chosen) is False and chosen == {"MALLOC_TRIM_THRESHOLD_": "0"}
@@ -293,7 +293,7 @@ def test_cpu_allocator_tuning_applies_here_and_to_child_processes():
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt tuning is glibc-only")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
-    code = ("import os, subprocess, sys; from posbench.hardware import tune_cpu_allocator; "
+    code = ("import os, subprocess, sys; from posbench.runtime.hardware import tune_cpu_allocator; "
             "print(tune_cpu_allocator()); sys.stdout.flush(); "
             "subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"MALLOC_MMAP_THRESHOLD_\"], "
             "os.environ[\"MALLOC_TRIM_THRESHOLD_\"])'])")

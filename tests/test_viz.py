@@ -13,11 +13,11 @@ import torch
 from conftest import QUICK_TRAIN, compose_config
 
 import posbench
-from posbench.errors import PosbenchError
-from posbench.loggers import wandb_run_id
+from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
-from posbench.model import ModelConfig, build_model
-from posbench.viz import (
+from posbench.model.transformer import ModelConfig, build_model
+from posbench.train.loggers import wandb_run_id
+from posbench.viz.command import (
     attention_entropy,
     cosine_similarity_matrix,
     mean_attended_distance,
@@ -103,7 +103,7 @@ def test_recorded_attention_is_the_model_itself(method):
     tokens = torch.randint(0, 50, (2, 24))
     with torch.no_grad():
         expected = model(tokens[:1])
-    import posbench.viz as viz
+    import posbench.viz.command as viz
 
     with torch.no_grad(), viz.recording_attention(2, [1]) as record:
         got = model(tokens[:1])
@@ -123,7 +123,7 @@ def test_recorded_attention_is_the_model_itself(method):
 def test_decay_rules_come_from_the_config_and_the_extensions():
     """decay.rules names evaluation-time extensions; linear at span 2 (factor L / C = 2) halves
     the positions, so its curve at distance 10 is the method's own at 5."""
-    from posbench.viz import VizSettings, _decay_curves, decay_rules, settings_from_config
+    from posbench.viz.command import VizSettings, _decay_curves, decay_rules, settings_from_config
 
     cfg = compose_config("viz", ["method=rope", "model=tiny", "context=16", "span=2", "decay.rules=[linear,window]"])
     settings = settings_from_config(cfg)
@@ -149,7 +149,7 @@ def test_wandb_run_id_is_read_from_the_run_dir(tmp_path):
 
 
 def posbench_cli(*args: str, check: bool = True):
-    proc = subprocess.run([sys.executable, "-m", "posbench.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
                           env=ENV, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -178,8 +178,8 @@ def test_viz_method_of_a_wrapper_whose_base_option_names_a_method(tmp_path):
 
 @pytest.mark.slow
 def test_viz_is_a_listed_command_and_errors_are_one_line(tmp_path):
-    from posbench.cli import usage
-    from posbench.errors import PosbenchError
+    from posbench.commands.cli import usage
+    from posbench.core.errors import PosbenchError
 
     assert "\n  viz " in usage()
     proc = posbench_cli("viz", check=False)
@@ -198,7 +198,7 @@ def test_viz_is_a_listed_command_and_errors_are_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def trained_sweep(tmp_path_factory) -> Path:
     """Two tiny trained runs (learned, relative) in one sweep-like folder."""
-    from posbench.train import train
+    from posbench.train.trainer import train
 
     sweep = tmp_path_factory.mktemp("sweep")
     for i, method in enumerate(("learned", "relative")):
@@ -233,8 +233,8 @@ def test_figures_go_to_the_runs_wandb_run(tmp_path, monkeypatch):
     """Offline: the figures are logged by resuming the W&B run id recorded in the run dir."""
     from omegaconf import OmegaConf
 
-    from posbench.loggers import wandb_init
-    from posbench.viz import log_to_wandb
+    from posbench.train.loggers import wandb_init
+    from posbench.viz.command import log_to_wandb
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_DISABLED", raising=False)
@@ -261,7 +261,7 @@ def test_figures_go_to_the_runs_wandb_run(tmp_path, monkeypatch):
 def test_sweep_callback_adds_the_viz_pictures(trained_sweep):
     from omegaconf import OmegaConf
 
-    from posbench.sweep import ComparePlotsCallback
+    from posbench.commands.sweep import ComparePlotsCallback
 
     ComparePlotsCallback().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(trained_sweep)}}}))
     viz = trained_sweep / "comparison" / "viz"
@@ -273,8 +273,8 @@ def test_sweep_callback_adds_the_viz_pictures(trained_sweep):
 def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypatch):
     """Rope's q.k decay comes from its definition, so naming the run's step
     (``rope, step 400``) misleads; a method with trained q/k parameters keeps the step."""
-    import posbench.viz as viz
-    from posbench.train import train
+    import posbench.viz.command as viz
+    from posbench.train.trainer import train
 
     titles = []
     original = viz.qk_decay_figure
@@ -292,10 +292,10 @@ def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypat
 def test_viz_of_a_task_run_draws_attention_on_its_task_sequences(tmp_path, monkeypatch):
     """A task run (task=flipflop) has no text: viz asked the hub for TinyStories and told the
     user to use data=sample. Its attention is now measured on the task's own held-out sequences."""
-    from posbench import viz
-    from posbench.runs import load_run
+    from posbench.runs.load import load_run
     from posbench.tasks.base import VALID, make_task
-    from posbench.train import train
+    from posbench.train.trainer import train
+    from posbench.viz import command as viz
 
     run_dir = tmp_path / "flipflop-rope-s0"
     train(compose_config("train", [*QUICK_TRAIN, "task=flipflop", "method=rope"]), run_dir, log=lambda _: None)

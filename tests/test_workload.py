@@ -1,4 +1,4 @@
-"""posbench.workload: the trainer's one view of its data, text or a synthetic task."""
+"""posbench.train.workload: the trainer's one view of its data, text or a synthetic task."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import inspect
 import torch
 from conftest import compose_config
 
-from posbench.spec import build_spec
+from posbench.runs.spec import build_spec
 from posbench.tasks import IGNORE
-from posbench.tasks.workload import TaskWorkload
-from posbench.workload import TextWorkload, Workload, make_workload
+from posbench.train.task_workload import TaskWorkload
+from posbench.train.workload import TextWorkload, Workload, make_workload
 
 
 def protocol_members() -> set[str]:

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from posbench.core.errors import PosbenchError
 from posbench.data.retrieval import retrieval_config
-from posbench.errors import PosbenchError
 
 SOURCES = ("hub", "local", "sample", "synthetic")
 DEFAULT_CACHE = "~/.cache/posbench"

@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 
 
 class TrainBatches:

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from posbench.core.errors import PosbenchError
+from posbench.core.io import check_output_dir, file_sha256, write_json_atomic
 from posbench.data.config import DataConfig
 from posbench.data.sources import SourceSpec, TextSplits, load_texts, resolve_source
 from posbench.data.tokenizer import (
@@ -39,8 +41,6 @@ from posbench.data.tokenizer import (
     tokenizer_identity,
     train_bpe,
 )
-from posbench.errors import PosbenchError
-from posbench.io import check_output_dir, file_sha256, write_json_atomic
 
 FORMAT_VERSION = 1  # bump on any change to the cache layout or token stream contents
 SPLIT_FILES = {"train": "train.bin", "validation": "valid.bin", "test": "test.bin"}

@@ -18,7 +18,7 @@ encoding of the whole sentence). The key is :data:`KEY_DIGITS` digits, each unif
 
 What is inserted is a pure function of ``(run seed, global sample index)``: a resumed run and
 N processes see the same insertions as one process, and ``rate=0`` leaves every batch untouched.
-Only training windows are touched; evaluation text stays plain. ``posbench/passkey.py`` scores
+Only training windows are touched; evaluation text stays plain. ``posbench/evaluation/probes/passkey.py`` scores
 a trained model on the same passkey sentences placed in held-out text.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 
 KINDS = ("passkey", "repeat_random", "repeat_text")
 KEY_DIGITS = 5

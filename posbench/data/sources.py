@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from posbench.core.errors import PosbenchError
+from posbench.core.io import file_sha256
 from posbench.data.config import DataConfig, absolute_path
 from posbench.data.synthetic import generate_stories
-from posbench.errors import PosbenchError
-from posbench.io import file_sha256
 
 SYNTHETIC_VERSION = 1  # bump when the generator's output changes, to invalidate caches
 SUPPORTED = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from posbench.core.errors import PosbenchError
 from posbench.data.config import DataConfig, absolute_path
 from posbench.data.sources import hub_unreachable_reason
-from posbench.errors import PosbenchError
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"

@@ -10,7 +10,8 @@ import importlib
 import inspect
 from typing import Any
 
-from posbench.errors import PosbenchError
+from posbench.config.settings import coerce_value
+from posbench.core.errors import PosbenchError
 from posbench.methods.base import (
     DenseScore,
     InputTable,
@@ -26,7 +27,6 @@ from posbench.methods.base import (
     needs,
     position_at,
 )
-from posbench.settings import coerce_value
 
 _REGISTRY: dict[str, type[PositionMethod]] = {}
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor, nn
 
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 
 # fn(b, h, q_idx, kv_idx) -> additive logit term, broadcasting over its integer-tensor arguments.
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -130,12 +130,12 @@ class PositionMethod(nn.Module):
     ``LlamaForCausalLM`` of the same shape computes: ``posbench bench`` times that peer beside it."""
     context_option: ClassVar[str | None] = None
     """An option that follows the run's training context: null (its default) becomes
-    ``trainer.context`` when a run is specified (:func:`posbench.spec.build_spec`), and the run
+    ``trainer.context`` when a run is specified (:func:`posbench.runs.spec.build_spec`), and the run
     records the value it used (hope's ``train_context``)."""
     options_before: ClassVar[dict[str, Any]] = {}
     """Options added (or whose default changed) after runs were recorded: the value that reproduces
     what a run recorded without the option computed. A saved run is rebuilt with these, not with
-    today's defaults (:meth:`posbench.spec.MethodSpec.from_saved`)."""
+    today's defaults (:meth:`posbench.runs.spec.MethodSpec.from_saved`)."""
 
     def __init__(self, dims: ModelDims) -> None:
         super().__init__()
@@ -263,7 +263,7 @@ class Rotary:
     Implementers hold ``inv_freq`` (R/2 frequencies, RoPE's layout ``base^(-2i/R)``; zeros for
     pairs left unrotated), ``base`` and ``rotary_dim`` (R rotated channels per head), and
     rotate with whatever ``inv_freq`` they hold, so :meth:`with_frequencies` changes the angles
-    of every rotation. PI / NTK / YaRN / Llama 3 (:mod:`posbench.extension`) apply to them.
+    of every rotation. PI / NTK / YaRN / Llama 3 (:mod:`posbench.model.extension`) apply to them.
     """
 
     inv_freq: Tensor

@@ -9,7 +9,7 @@ that names the option to raise.
 
 from torch import Tensor, nn
 
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 from posbench.methods import register
 from posbench.methods.base import InputTable, ModelDims, PositionMethod, check_table_range, interpolate_rows
 

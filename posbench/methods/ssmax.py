@@ -17,7 +17,7 @@ used as they are, then q is multiplied by the factor (which scales q.k in every 
 SDPA and FlexAttention included) and the base's score term, if any, is multiplied by it too
 (evaluated on the unscaled q, so a term that reads q is scaled once, not twice).
 
-Differences from the evaluation-time ``log_scaling`` extension (posbench/extension.py), which
+Differences from the evaluation-time ``log_scaling`` extension (posbench/model/extension.py), which
 multiplies a trained model's logits by ``max(1, log(n + 1) / log C)``: SSMax is a trained
 architecture (the model learns with the scale from step 0), its per-head slope s is learned, and
 it scales at every n (it sharpens attention inside the training context too, and flattens the

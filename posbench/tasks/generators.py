@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from posbench.errors import PosbenchError
+from posbench.core.errors import PosbenchError
 from posbench.tasks.base import IGNORE, STANDARD, Batch, Task, lookback_bands, positive_int, register_task
 
 

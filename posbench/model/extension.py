@@ -1,0 +1,520 @@
+"""Context extension at evaluation time: run a trained model past its context without retraining.
+
+An extension changes how a trained model's position method is used at evaluation, never its
+weights. :func:`extended` swaps ``model.position`` for an adjusted copy (an
+:class:`ExtendedPosition` around the trained method, or around a copy of it with new rotary
+frequencies) for the duration of a ``with`` block and restores it afterwards; the trained module
+is never changed. Every extension declares the capabilities it needs (``applies_to``:
+:class:`~posbench.methods.base.Rotary` methods, :class:`~posbench.methods.base.InputTable`
+methods; ``None`` = every method), so a new method gets every extension its capabilities allow.
+
+With training context ``C``, evaluated length ``L`` and factor ``s`` (``eval.extension_factor``,
+default ``L / C``):
+
+- ``linear``: position interpolation (Chen et al. 2023). RoPE angles ``(n / s) theta_i``;
+  learned tables are read at ``n / s`` by linear interpolation between rows; sinusoidal tables
+  are computed at ``n / s``.
+- ``ntk``: NTK-aware base change (bloc97 2023): ``base' = base * s^(D / (D - 2))``.
+- ``dynamic_ntk``: transformers' ``dynamic`` rule, recomputed for the evaluated length:
+  ``base' = base * (f L / C - (f - 1))^(D / (D - 2))`` with ``f`` = ``eval.extension_factor``
+  (default 1). A full forward pass of length ``L`` uses one base, as transformers does, so with
+  the default ``f = 1`` it equals ``ntk`` at ``s = L / C``; with a fixed factor they differ.
+- ``yarn``: YaRN (Peng et al. 2023): NTK-by-parts interpolation (frequencies whose wavelength is
+  short against ``C`` kept, long ones interpolated by ``s``, a linear ramp between, beta_fast=32,
+  beta_slow=1) and the attention temperature ``sqrt(1/t) = 0.1 ln(s) + 1`` applied to cos and
+  sin, i.e. to q and k.
+- ``llama3``: Llama 3.1's rule: wavelengths above ``C / low_freq_factor`` (1) interpolated by
+  ``s``, below ``C / high_freq_factor`` (4) kept, smooth in between.
+- ``log_scaling``: attention logits of the query at 0-based position ``n`` multiplied by
+  ``max(1, log(n + 1) / log C)`` (Chiang & Cholak 2022): it sees ``n + 1`` keys, so the logits
+  grow with the log of the number of keys past the context and the attention entropy stays
+  bounded.
+- ``window``: a sliding-window mask of width ``C``: the query at ``n`` sees keys
+  ``n - C + 1 .. n``, never a distance it was not trained on.
+- ``rerope``: ReRoPE (Su 2023, kexue.fm/archives/9708; reference bojone/rerope
+  ``rerope_patch.py``): relative positions ``d < w`` stay exact, the others become ``w``
+  (``eval.rerope.window``, default ``C / 8``: the reference's 512 of 4096); with
+  ``eval.rerope.leaky=k``, Leaky ReRoPE's ``w + (d - w) / k`` (``leaky_rerope_patch.py``). As
+  the reference patch, the queries are also scaled by ``max(1, log(n + 1) / log C)``
+  (``eval.rerope.log_scaling``).
+- ``self_extend``: Self-Extend (Jin et al. 2024, reference datamllab/LongLM
+  ``self_extend_patch/Llama.py``): relative positions ``d < W`` stay exact (``eval.self_extend.window``,
+  default ``C / 4``: LongLM's 1024 of 4096); farther keys see the grouped positions
+  ``floor(i / G) + W - W / G`` (query) and ``floor(j / G)`` (key), ``G`` = ``eval.self_extend.group``
+  (default 8), so the two regions join at ``d = W``.
+
+ReRoPE and Self-Extend (:class:`RelativeRemap`) compute two logit matrices, the plain one and one
+with the queries and keys transformed at the remapped positions, and merge them by the mask
+``d >= window``: densely, (B, H, T, T) fp32 per layer (the merge is a score term holding the
+difference of the two). Every backend runs it; none is fused.
+
+The RoPE frequencies and attention factors come from ``transformers.modeling_rope_utils``
+(``ROPE_INIT_FUNCTIONS``), the code Llama, Qwen and Mistral users run. ``longrope`` is not offered:
+its per-frequency factors come from an evolutionary search per model, and with uniform factors it
+degenerates to ``linear`` with a temperature.
+
+An extension whose parameters make it the identity (factor 1, or ``L <= C`` for ``dynamic_ntk``,
+``log_scaling`` and ``window``) is not installed, so that evaluation is the plain one bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from posbench.config.settings import ReRoPEConfig, SelfExtendConfig
+from posbench.core.errors import PosbenchError
+from posbench.methods import list_methods, method_class
+from posbench.methods.base import InputTable, OverBase, PositionMethod, Rotary, ScoreFn, distance
+
+NONE = "none"
+CAPABILITY_NAMES = {Rotary: "rotary", InputTable: "input-table"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where an extension is applied: training context, evaluated length and scaling factor."""
+
+    train_context: int
+    length: int
+    factor: float | None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Settings of the extensions that take some, by name (``rerope``: a ReRoPEConfig); a
+    missing one takes its defaults."""
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One evaluation-time extension rule."""
+
+    name: str
+    applies_to: tuple[type, ...] | None
+    """Capabilities a method needs for it (any one of them); None = every method."""
+    summary: str
+    """One line for listings and logs."""
+    install: Callable[[PositionMethod, Setting], ExtendedPosition | None]
+    """Build the adjusted method (None when the setting makes it the identity)."""
+    default_factor: str | None = "L/C"
+    """Its factor when ``eval.extension_factor`` is null: ``L/C``, ``1`` (dynamic_ntk, whose
+    scale already follows the length), or None for rules that take no factor."""
+    resolved_options: Callable[[Setting], dict[str, Any]] | None = None
+    """Its own settings as used at a setting (defaults filled in), recorded in results."""
+
+    def applies(self, method: str | PositionMethod | type[PositionMethod]) -> bool:
+        """Whether it applies to ``method`` (a name, a method or its class)."""
+        cls = method_type(method)
+        return self.applies_to is None or issubclass(cls, self.applies_to)
+
+
+@dataclass(frozen=True)
+class RelativeRemap:
+    """Keys at distance ``d >= window`` (position ids) from the query are scored with the query
+    transformed at ``query_at(positions)`` and the key at ``key_at(positions)`` (float position
+    ids, same shape as ``positions``) instead of at their own positions."""
+
+    window: int
+    query_at: Callable[[Tensor], Tensor]
+    key_at: Callable[[Tensor], Tensor]
+
+
+def transform_apart(method: PositionMethod, q: Tensor, k: Tensor, q_positions: Tensor, k_positions: Tensor,
+                    layer: int) -> tuple[Tensor, Tensor]:
+    """q (B, H, T, D) transformed at ``q_positions`` and k at ``k_positions`` by ``method.rotate_qk``.
+
+    ONE call on the sequence ``[q; q]`` / ``[k; k]`` at positions ``[q_positions; k_positions]``
+    (2T tokens): a transform that reads the whole row of positions (xpos centres its scales on
+    it) sees one row for queries and keys, so their scores stay those of the method."""
+    T = q.shape[-2]
+    qq, kk = method.rotate_qk(torch.cat((q, q), dim=-2), torch.cat((k, k), dim=-2),
+                              torch.cat((q_positions, k_positions), dim=-1), layer)
+    return qq[..., :T, :], kk[..., T:, :]
+
+
+def method_type(method: str | PositionMethod | type[PositionMethod]) -> type:
+    """The method class of a name, an instance (an extended one: its trained method) or a class."""
+    if isinstance(method, str):
+        return method_class(method)
+    if isinstance(method, ExtendedPosition):
+        return type(method.inner)
+    return method if isinstance(method, type) else type(method)
+
+
+class ExtendedPosition(OverBase):
+    """A trained position method with evaluation-time adjustments; every hook delegates to it.
+
+    Adjustments (each optional):
+      ``inv_freq``: rotary frequencies (R/2,): ``inner`` is replaced by its copy rotating with
+          them (:meth:`Rotary.with_frequencies`; its rotation code stays the trained one).
+      ``position_scale``: input tables are read at ``position / position_scale``
+          (:meth:`InputTable.input_embedding_at`; learned tables: at most at row
+          ``trained_positions - 1``, the last trained row).
+      ``qk_scale``: q and k multiplied by it after the rotation (transformers multiplies cos and
+          sin by the rope attention factor, which is the same linear map).
+      ``log_context``: logits of query position n scaled by ``max(1, log(n + 1) / log(C))``.
+      ``window``: keys farther than ``window - 1`` positions behind the query are masked.
+      ``remap``: keys at distance >= ``remap.window`` scored at remapped positions (ReRoPE,
+          Self-Extend): :meth:`rotate_qk` also transforms q and k at those positions and keeps
+          them for the :meth:`score_term` call of the same layer that follows it, whose term adds
+          the difference of the two logits there.
+    """
+
+    def __init__(self, inner: PositionMethod, *, inv_freq: Tensor | None = None, position_scale: float | None = None,
+                 qk_scale: float = 1.0, log_context: int | None = None, window: int | None = None,
+                 trained_positions: int | None = None, remap: RelativeRemap | None = None) -> None:
+        super().__init__(inner.dims)
+        if inv_freq is not None:
+            inner = inner.with_frequencies(inv_freq)  # type: ignore[attr-defined]  # a Rotary copy
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]  # logs and results keep the trained method's name
+        self.position_scale = position_scale
+        self.trained_positions = trained_positions
+        self.qk_scale = qk_scale
+        self.log_context = log_context
+        self.window = window
+        self.remap = remap
+        self.remapped: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # q, k, q at remap, k at remap
+        # The window is a score term (-inf past the window), so every backend applies it unchanged.
+        # log_scaling alone needs no score term: scaling q scales q.k; a method's bias is scaled in
+        # score_term below.
+        self.has_score_term = inner.has_score_term or window is not None or remap is not None  # type: ignore[misc]
+        self.uses_positions = inner.uses_positions  # type: ignore[misc]
+
+    def input_embedding(self, positions: Tensor) -> Tensor | None:
+        if self.position_scale is None:
+            return self.inner.input_embedding(positions)
+        scaled = positions.double() / self.position_scale  # (T,) fractional positions
+        return self.inner.input_embedding_at(scaled, self.trained_positions)  # type: ignore[attr-defined]
+
+    def query_scale(self, positions: Tensor) -> Tensor:
+        """(T,) positions -> (T,) logit multipliers max(1, log(n + 1) / log C)."""
+        assert self.log_context is not None
+        ratio = torch.log(positions.double() + 1) / math.log(self.log_context)
+        return ratio.clamp(min=1.0).float()
+
+    def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
+        pairs = [self.inner.rotate_qk(q, k, positions, layer)]  # (B, H, T, D) each
+        if self.remap is not None:
+            pairs.append(transform_apart(self.inner, q, k, self.remap.query_at(positions),
+                                         self.remap.key_at(positions), layer))
+        if self.qk_scale != 1.0:
+            pairs = [(q * self.qk_scale, k * self.qk_scale) for q, k in pairs]
+        if self.log_context is not None:
+            scale = self.query_scale(positions)[..., None]  # scales q.k / sqrt(D) per query
+            pairs = [(q * scale.to(q.dtype), k) for q, k in pairs]
+        if self.remap is not None:
+            self.remapped = (*pairs[0], *pairs[1])
+        return pairs[0]
+
+    def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
+        bias = self.inner.key_bias(x, layer)
+        if bias is not None and self.log_context is not None:  # it would need the per-query scale too
+            raise PosbenchError(f"eval.extension=log_scaling cannot scale {self.name}'s key bias (method.fast=true); "
+                                "evaluate this run without log_scaling")
+        return bias
+
+    def remap_term(self, q: Tensor, k: Tensor | None, positions: Tensor) -> Tensor:
+        """(B, H, T, T) fp32: the remapped logits minus the plain ones where d >= window, else 0."""
+        if self.remapped is None or self.remapped[0] is not q or self.remapped[1] is not k:
+            raise RuntimeError("the remapped q, k belong to the rotate_qk call of this layer; call it first")
+        q, k, q_far, k_far = (t.float() for t in self.remapped)
+        self.remapped = None
+        with torch.autocast(q.device.type, enabled=False):
+            term = torch.einsum("bhid,bhjd->bhij", q_far, k_far)  # (B, H, T, T)
+            term -= torch.einsum("bhid,bhjd->bhij", q, k)
+            term *= q.shape[-1] ** -0.5  # the backends' scale
+        idx = torch.arange(q.shape[-2], device=q.device)
+        batch = torch.arange(positions.shape[0] if positions.dim() == 2 else 1, device=q.device).view(-1, 1, 1, 1)
+        near = distance(positions, batch, idx.view(1, 1, -1, 1), idx.view(1, 1, 1, -1)) < self.remap.window  # type: ignore[union-attr]
+        return term.masked_fill_(near, 0.0)
+
+    def score_term(self, q: Tensor, positions: Tensor, layer: int, *, k: Tensor | None = None,
+                   x: Tensor | None = None) -> ScoreFn | None:
+        remapped = self.remap_term(q, k, positions) if self.remap is not None else None  # before q is unscaled
+        query_scale = self.query_scale(positions) if self.log_context is not None else None
+        if query_scale is not None:
+            # ``q`` arrives already scaled by rotate_qk; a term that reads q (relative, cope) must
+            # see the trained model's q, or it would be scaled twice (s(n)^2) below.
+            q = q / query_scale[..., None].to(q.dtype)
+        inner = self.inner.score_term(q, positions, layer, k=k, x=x) if self.inner.has_score_term else None
+        if self.log_context is None and self.window is None and remapped is None:
+            return inner
+        window = self.window
+
+        def score(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            term = torch.zeros((), device=q_idx.device)
+            if inner is not None:
+                term = inner(b, h, q_idx, kv_idx)
+                if query_scale is not None:  # the whole logit is scaled, the method's bias too
+                    term = term * query_scale[q_idx]
+            if remapped is not None:
+                term = term + remapped[b, h, q_idx, kv_idx]
+            if window is not None:
+                too_far = positions[q_idx] - positions[kv_idx] >= window
+                term = torch.where(too_far, float("-inf"), term)
+            return term
+
+        return score
+
+    def extra_repr(self) -> str:
+        return (f"inner={self.inner.name}, position_scale={self.position_scale}, qk_scale={self.qk_scale}, "
+                f"log_context={self.log_context}, window={self.window}, "
+                f"remap_window={None if self.remap is None else self.remap.window}")
+
+
+# ----------------------------------------------------------------------------- rotary rules
+
+
+def _from_transformers(method: PositionMethod, rope_type: str, setting: Setting, seq_len: float | None = None,
+                       **params: float) -> ExtendedPosition:
+    """``method`` with the frequencies (D/2,) and attention factor of transformers'
+    ``ROPE_INIT_FUNCTIONS[rope_type]``."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = hf_rope_config(method, rope_type, setting.train_context, params)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
+    return ExtendedPosition(method, inv_freq=inv_freq.float(), qk_scale=float(attention_factor))
+
+
+def hf_rope_config(method: PositionMethod, rope_type: str, train_context: int, params: dict):
+    """A transformers ``LlamaConfig`` whose rotary embedding is ``method``'s under ``rope_type``."""
+    import transformers
+    from transformers import LlamaConfig
+
+    head_dim = method.rotary_dim  # type: ignore[attr-defined]  # R rotated channels: R/2 frequencies
+    scaling = {"rope_type": rope_type, **params}
+    longest = train_context
+    if rope_type in ("yarn", "llama3"):  # their configs name the extended length too
+        scaling["original_max_position_embeddings"] = train_context
+        longest = math.ceil(params["factor"] * train_context)
+    shape = dict(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, max_position_embeddings=longest)
+    base = float(method.base)  # type: ignore[arg-type]
+    if int(transformers.__version__.split(".")[0]) >= 5:  # v5 folds rope_theta into rope_parameters
+        return LlamaConfig(**shape, rope_parameters={**scaling, "rope_theta": base})
+    return LlamaConfig(**shape, rope_theta=base, rope_scaling=scaling)
+
+
+def _rope_rule(rope_type: str, **params: float) -> Callable[[PositionMethod, Setting], ExtendedPosition | None]:
+    def install(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+        if setting.factor == 1.0:
+            return None
+        return _from_transformers(method, rope_type, setting, factor=setting.factor, **params)
+
+    return install
+
+
+def _ntk(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    if setting.factor == 1.0:
+        return None
+    # transformers' dynamic rule with f = 1 at sequence length s * C is the static NTK-aware base
+    # base * s^(D / (D - 2)) (tested against that formula).
+    return _from_transformers(method, "dynamic", setting, seq_len=setting.factor * setting.train_context, factor=1.0)
+
+
+def _dynamic_ntk(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    if setting.length <= setting.train_context:
+        return None
+    return _from_transformers(method, "dynamic", setting, seq_len=setting.length, factor=setting.factor)
+
+
+# ----------------------------------------------------------------------------- other rules
+
+
+def _interpolate_positions(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    if isinstance(method, Rotary):
+        return _rope_rule("linear")(method, setting)
+    if setting.factor == 1.0:
+        return None
+    return ExtendedPosition(method, position_scale=setting.factor, trained_positions=setting.train_context)
+
+
+def _log_scaling(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    return None if setting.length <= setting.train_context else ExtendedPosition(method, log_context=setting.train_context)
+
+
+def _window(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    return None if setting.length <= setting.train_context else ExtendedPosition(method, window=setting.train_context)
+
+
+def _rerope_options(setting: Setting) -> dict[str, Any]:
+    opts = setting.options.get("rerope") or ReRoPEConfig()
+    window = opts.window if opts.window is not None else max(1, setting.train_context // 8)
+    return {"window": window, "leaky": opts.leaky, "log_scaling": opts.log_scaling}
+
+
+def _rerope(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    o = _rerope_options(setting)
+    w, k = o["window"], o["leaky"]
+    log_context = setting.train_context if o["log_scaling"] and setting.length > setting.train_context else None
+    if setting.length <= w and log_context is None:  # no key at distance >= w: the plain model
+        return None
+    if k is None:  # ReRoPE: the query at w, the key at 0 -> relative position w
+        remap = RelativeRemap(w, lambda pos: torch.full_like(pos, w, dtype=torch.float32),
+                              lambda pos: torch.zeros_like(pos, dtype=torch.float32))
+    else:  # Leaky ReRoPE: (n + w (k - 1)) / k - m / k = w + (n - m - w) / k
+        remap = RelativeRemap(w, lambda pos: (pos.double() + w * (k - 1)) / k, lambda pos: pos.double() / k)
+    return ExtendedPosition(method, log_context=log_context, remap=remap if setting.length > w else None)
+
+
+def _self_extend_options(setting: Setting) -> dict[str, Any]:
+    opts = setting.options.get("self_extend") or SelfExtendConfig()
+    window = opts.window if opts.window is not None else max(1, setting.train_context // 4)
+    return {"window": window, "group": opts.group}
+
+
+def _self_extend(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    o = _self_extend_options(setting)
+    W, G = o["window"], o["group"]
+    if setting.length <= W:  # every key within the neighbour window: the plain model
+        return None
+    # LongLM: group_query_position = query_position // G + W - W / G (W / G a true division),
+    # group_key_position = key_position // G. (LongLM drops the shift when no query reaches W;
+    # then no key is grouped either, and this rule is not installed.)
+    return ExtendedPosition(method, remap=RelativeRemap(
+        W, lambda pos: torch.div(pos, G, rounding_mode="floor").double() + (W - W / G),
+        lambda pos: torch.div(pos, G, rounding_mode="floor").double()))
+
+
+EXTENSIONS: dict[str, Extension] = {
+    e.name: e
+    for e in (
+        Extension("linear", (Rotary, InputTable), "position interpolation: positions scaled by 1/s",
+                  _interpolate_positions),
+        Extension("ntk", (Rotary,), "NTK-aware base change: base * s^(D/(D-2))", _ntk),
+        Extension("dynamic_ntk", (Rotary,), "transformers' dynamic NTK for the evaluated length",
+                  _dynamic_ntk, default_factor="1"),
+        Extension("yarn", (Rotary,), "YaRN: NTK-by-parts + attention temperature 0.1 ln(s) + 1",
+                  _rope_rule("yarn")),
+        Extension("llama3", (Rotary,), "Llama 3.1 rule (low/high frequency factors 1 / 4)",
+                  _rope_rule("llama3", low_freq_factor=1.0, high_freq_factor=4.0)),
+        Extension("log_scaling", None, "logits x max(1, log(n+1)/log C)", _log_scaling, default_factor=None),
+        Extension("window", None, "sliding-window mask of width C", _window, default_factor=None),
+        Extension("rerope", (Rotary,), "ReRoPE: relative positions past w (C/8) clamped to w; logn queries",
+                  _rerope, default_factor=None, resolved_options=_rerope_options),
+        Extension("self_extend", (Rotary,), "Self-Extend: exact within W (C/4), grouped floor(n/G) past it (G=8)",
+                  _self_extend, default_factor=None, resolved_options=_self_extend_options),
+    )
+}
+
+
+def list_extensions() -> list[str]:
+    """Valid ``eval.extension`` values (besides ``none`` and ``all``)."""
+    return list(EXTENSIONS)
+
+
+def check_names(requested: Sequence[str] | str) -> None:
+    """Refuse an ``eval.extension`` entry that names no extension (before any work)."""
+    for name in [requested] if isinstance(requested, str) else requested:
+        if str(name) not in (NONE, "all", *EXTENSIONS):
+            raise PosbenchError(f"unknown eval.extension {name!r}; choose from none, all, {', '.join(EXTENSIONS)}")
+
+
+def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMethod | type[PositionMethod],
+                       log: Callable[[str], object] = print) -> list[str]:
+    """The extensions of ``eval.extension`` to evaluate for ``method`` (a name, a method or its
+    class), always ``none`` first (the plain evaluation every extension is compared with).
+
+    ``all`` means every extension that applies. A named extension that does not apply is skipped
+    with one line; when only such extensions were asked for, the request is refused.
+    """
+    names = [str(n) for n in ([requested] if isinstance(requested, str) else requested)]
+    chosen: list[str] = [NONE]
+    refused: list[str] = []
+    for name in names:
+        if name == "all":
+            chosen += [e for e, ext in EXTENSIONS.items() if ext.applies(method)]
+        elif name == NONE:
+            continue
+        elif name not in EXTENSIONS:
+            raise PosbenchError(f"unknown eval.extension {name!r}; choose from none, all, {', '.join(EXTENSIONS)}")
+        elif EXTENSIONS[name].applies(method):
+            chosen.append(name)
+        else:
+            refused.append(name)
+    for name in refused:
+        line = f"extension {name} does not apply to method={method_type(method).name}; it applies to {applies_text(name)}"
+        if len(chosen) == 1:
+            raise PosbenchError(line)
+        log(f"skipping {line}")
+    return list(dict.fromkeys(chosen))
+
+
+def applies_text(name: str) -> str:
+    """Which methods extension ``name`` applies to, by capability and the registered methods."""
+    needed = EXTENSIONS[name].applies_to
+    if needed is None:
+        return "every method"
+    kinds = " or ".join(CAPABILITY_NAMES.get(c, c.__name__) for c in needed)
+    return f"{kinds} methods ({', '.join(m for m in list_methods() if EXTENSIONS[name].applies(m))})"
+
+
+def extension_factor(name: str, length: int, train_context: int, factor: float | None) -> float | None:
+    """The factor used for ``name`` at ``length``: ``factor`` if set, else the rule's default
+    (L / C, at least 1; dynamic_ntk: 1); None for ``none`` and the rules without a factor."""
+    default = EXTENSIONS[name].default_factor if name != NONE else None
+    if default is None:
+        return None
+    if factor is not None:
+        if not factor >= 1.0:
+            raise PosbenchError(f"eval.extension_factor must be >= 1 (or null for L / C), got {factor}")
+        return float(factor)
+    return 1.0 if default == "1" else max(1.0, length / train_context)
+
+
+def extension_options(name: str, train_context: int, length: int,
+                      options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The settings extension ``name`` uses (defaults filled in) for results; None for those
+    without settings."""
+    resolve = EXTENSIONS[name].resolved_options if name != NONE else None
+    return None if resolve is None else resolve(Setting(train_context, length, None, options or {}))
+
+
+def evaluation_order(extensions: Sequence[str]) -> list[str]:
+    """The passes of an evaluation: ``none`` first (the plain model, every extension's
+    reference), then the other extensions in the order given."""
+    return [NONE, *(e for e in extensions if e != NONE)]
+
+
+def record_extension(entry: dict[str, Any], name: str, factor: float | None, train_context: int, length: int,
+                     options: Mapping[str, Any] | None = None) -> None:
+    """Stamp a results entry with the pass it came from: ``extension``, ``extension_factor`` and,
+    for an extension with settings of its own, ``extension_options``."""
+    entry["extension"], entry["extension_factor"] = name, factor
+    used = extension_options(name, train_context, length, options)
+    if used is not None:
+        entry["extension_options"] = used
+
+
+@contextlib.contextmanager
+def extended(model: nn.Module, name: str, train_context: int, length: int, factor: float | None = None,
+             options: Mapping[str, Any] | None = None) -> Iterator[float | None]:
+    """Evaluate ``model`` under extension ``name`` inside the block; yields the factor used
+    (None for ``none``). ``options``: the settings of the extensions that take some, by name
+    (:meth:`posbench.config.settings.EvalConfig.extension_options`). ``model.position`` is restored on
+    exit (the trained method itself is never changed)."""
+    if name == NONE:
+        yield None
+        return
+    original: PositionMethod = model.position  # type: ignore[assignment]
+    ext = EXTENSIONS[name]
+    if not ext.applies(original):
+        raise PosbenchError(f"extension {name} does not apply to method={original.name}; it applies to {applies_text(name)}")
+    used = extension_factor(name, length, train_context, factor)
+    wrapped = ext.install(original, Setting(train_context, length, used, options or {}))
+    if wrapped is None:  # the identity at this setting: the plain model, bit for bit
+        yield used
+        return
+    try:
+        model.position = wrapped
+        yield used
+    finally:
+        model.position = original
+
+
+__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "RelativeRemap", "applies_text", "evaluation_order",
+           "extended", "extension_factor", "extension_options", "list_extensions", "method_type",
+           "record_extension", "resolve_extensions", "transform_apart"]

@@ -1,0 +1,595 @@
+"""Comparison tables across runs: groups, per-group means with 95 % intervals, paired differences.
+
+A group holds the runs that differ only by seed (:func:`run_facets` lists what else must agree):
+method and options, model, training context, training budget (steps, tokens) and the trainer
+settings that change a result (``posbench.config.settings.RESULT_SETTINGS``), the resolved precision
+(``bf16``/``fp32``; ``unknown`` for results.json files from before posbench recorded it), the
+data (tokenizer and token streams by checksum) and the evaluation windows (``sequences_sha256``
+of every training-time entry). Seeds of one group are pooled; groups that differ in anything
+else stay apart and are labelled by what differs (``rope[steps=60]``, ``rope[base=500]``), so a
+table never averages two different experiments into one row. Two runs of one group with the
+same seed are the same experiment twice, never two seeds: the repeat goes to a group of its own,
+labelled ``copy 2`` (by path order), and :func:`grouping_notes` says so.
+
+Every number is taken per run and then summarised with :mod:`posbench.evaluation.stats`: a t-interval across
+seeds (>= 2 runs); a group of one seed gets its bootstrap over sequences widened by the
+between-seed sd pooled over the groups of the same table that have >= 2 seeds (kind ``1 seed``;
+the bootstrap alone when no group has). Differences are paired by seed; a pair with one common
+seed gets that seed's difference, marked ``1 seed``, with an interval widened by the between-seed
+sd of the paired differences pooled over the pairs of the same table with >= 2 common seeds
+(none when no pair has), and never a verdict: one seed orders nothing. Bands come from the run's own
+entries (not those `posbench eval` added later), from the shortest evaluated length that holds them
+(like the band figure); the scalars of the longest length (cumulative perplexity, effective
+length) are named after it.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from posbench.config.settings import RESULT_SETTINGS
+from posbench.evaluation.stats import (
+    ONE_SEED,
+    Interval,
+    SeedSpread,
+    across_runs,
+    bootstrap_interval,
+    one_seed_interval,
+    paired_difference,
+    pooled_seed_sd,
+)
+from posbench.methods import list_methods, saved_options
+from posbench.runs.results import RunRecord, headline_entries, plain_entries
+
+HEADLINE_SPLIT = "validation"
+# Model keys that are results, not settings (they differ when the vocabulary does, which the
+# vocab_size key already says).
+_MODEL_RESULT_KEYS = {"parameters", "non_embedding_parameters"}
+
+
+@dataclass
+class Group:
+    """Runs that differ only by seed (see :func:`run_facets`), one run per seed."""
+
+    label: str
+    method: str
+    facets: dict[str, Any]
+    runs: list[RunRecord] = field(default_factory=list)
+    copy: int = 1
+    """1, or n for the n-th run of a seed already in the group (the same experiment repeated)."""
+
+
+class _Absent:
+    """A facet a run does not record at all (older results.json, no config.yaml): shown as
+    ``unknown``; a value recorded as null is None, shown as ``none``."""
+
+    def __repr__(self) -> str:
+        return "unknown"
+
+    __str__ = __repr__
+
+
+ABSENT = _Absent()
+
+
+def _digest(value: Any) -> Any:
+    """A short, stable checksum of ``value`` (None: not recorded, ABSENT)."""
+    if value is None:
+        return ABSENT
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def _data_identity(run: RunRecord) -> dict[str, Any] | None:
+    """The tokenizer and token streams by checksum (None when results.json does not say)."""
+    meta = (run.results.get("data") or {}).get("meta") or {}
+    splits = {name: (info or {}).get("sha256") for name, info in (meta.get("splits") or {}).items()}
+    tokenizer = (meta.get("tokenizer") or {}).get("sha256")
+    return {"tokenizer": tokenizer, **splits} if tokenizer or splits else None
+
+
+def _windows(run: RunRecord) -> dict[str, Any] | None:
+    """``split@length`` -> checksum of the evaluated windows of the training-time entries (the
+    entry's count where it has no checksum); entries ``posbench eval`` added later are left out."""
+    entries = [e for e in plain_entries(run.results["eval"]) if not e.get("added")]
+    windows = {f"{e['split']}@{e['length']}": e.get("sequences_sha256") or f"n={e['num_sequences']}"
+               for e in entries}
+    return windows or None
+
+
+def run_facets(run: RunRecord) -> dict[str, Any]:
+    """What identifies a run's experiment besides its seed, flattened to ``name: value``: two
+    runs belong to one group exactly when these agree. A value a run does not record is
+    ``ABSENT`` (shown as ``unknown``), a value recorded as null is None (shown as ``none``)."""
+    # Options the run does not record take the value they had then (t5's bias_scale before it existed: 1.0).
+    options = saved_options(run.method, run.results.get("method_options") or {})
+    model = {k: v for k, v in (run.results.get("model") or {}).items() if k not in _MODEL_RESULT_KEYS}
+    facets: dict[str, Any] = {str(k): v for k, v in sorted(options.items())}
+    facets.update({f"model.{k}": v for k, v in sorted(model.items())})
+    facets["C"] = run.train_context
+    train = run.results["train"]
+    facets["steps"], facets["tokens"] = train.get("steps", ABSENT), train.get("tokens", ABSENT)
+    trainer = run.config.get("trainer") or {}
+    facets.update({f"trainer.{name}": trainer.get(name, ABSENT) for name in RESULT_SETTINGS
+                   if name not in ("context", "precision")})  # the context is C; precision resolved:
+    facets["precision"] = run.precision
+    facets["data"] = _digest(_data_identity(run))
+    retrieval = (run.results.get("data") or {}).get("retrieval")
+    if retrieval and retrieval.get("rate"):  # training text with retrievable content (data.retrieval)
+        facets["data.retrieval"] = ",".join(f"{k}={v}" for k, v in sorted(retrieval.items()))
+    facets["windows"] = _digest(_windows(run))
+    return facets
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def _encoded(value: Any) -> str:
+    """``value`` as JSON, ABSENT apart from every recorded value (None included)."""
+    return json.dumps(value, sort_keys=True, default=lambda v: "\0absent" if v is ABSENT else str(v))
+
+
+def method_order(methods: Iterable[str]) -> list[str]:
+    """Registry order (``posbench.list_methods()``), unknown names after, alphabetically."""
+    known = list_methods()
+    present = set(methods)
+    return [m for m in known if m in present] + sorted(present - set(known))
+
+
+def _differing(facets: Sequence[dict[str, Any]]) -> list[str]:
+    """The facet names whose values are not the same in all of ``facets`` (same keys each)."""
+    return [n for n in facets[0] if len({_encoded(f[n]) for f in facets}) > 1] if facets else []
+
+
+def _label_facets(facets: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Candidate lists of facet names to label groups with ``facets`` (one dict per group),
+    shortest first; the caller takes the first that keeps every label unique. A model preset
+    that differs stands for the model settings that follow from it (``model.flavour``, plus
+    the model settings that still differ within one preset), the tokens for the steps."""
+    differ = _differing(facets)
+    full = list(differ)
+    if "model.flavour" in differ:
+        by_flavour: dict[str, list[dict[str, Any]]] = {}
+        for f in facets:
+            by_flavour.setdefault(_encoded(f["model.flavour"]), []).append(f)
+        within = {n for same in by_flavour.values() for n in _differing(same) if n.startswith("model.")}
+        differ = [n for n in differ if not n.startswith("model.") or n in within] + ["model.flavour"]
+    if "steps" in differ:  # the tokens follow from the steps (and the batch, named when it differs)
+        differ = [n for n in differ if n != "tokens"]
+    return [differ, full]
+
+
+SHOWN_FACETS = ("model.attention_window", "data.retrieval")
+"""Facets a label always shows when set (not None), whatever the other groups: a windowed run is
+another model (the window baseline), never just ``rope`` because no plain rope run is beside it;
+a run trained with retrievable content (``data.retrieval``) is never pooled or named as plain."""
+
+OFF_WHEN_ABSENT = ("data.retrieval",)
+"""Facets a run without them has switched off (None, shown ``none``), rather than not recorded."""
+
+
+def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
+    """Groups keyed by label, in method registry order: runs that differ only by seed (see
+    :func:`run_facets`). A method with one group is labelled by its name; otherwise each label
+    lists the facets that differ between that method's groups (``model.flavour`` for the model
+    settings that follow from the preset, as long as the labels stay apart), and a repeated
+    seed's group ``copy n``. A :data:`SHOWN_FACETS` facet that is set is always in the label.
+    Labels are unique: a group never replaces another."""
+    all_facets = [run_facets(run) for run in runs]
+    names = sorted({n for f in all_facets for n in f})  # every run gets every key (ABSENT: not recorded)
+    by_key: dict[tuple[str, str], list[RunRecord]] = {}
+    facets_of: dict[tuple[str, str], dict[str, Any]] = {}
+    for run, recorded in zip(runs, all_facets):
+        facets = {n: recorded.get(n, None if n in OFF_WHEN_ABSENT else ABSENT) for n in names}
+        key = (run.method, _encoded(facets))
+        by_key.setdefault(key, []).append(run)
+        facets_of[key] = facets
+    split: dict[tuple[str, str], list[Group]] = {}
+    for key, members in by_key.items():
+        copies: list[Group] = []
+        for run in sorted(members, key=lambda r: str(r.path)):
+            # The n-th run of a seed goes to the n-th copy: a seed counts once per group.
+            target = next((g for g in copies if all(str(r.seed) != str(run.seed) for r in g.runs)), None)
+            if target is None:
+                target = Group(key[0], key[0], facets_of[key], copy=len(copies) + 1)
+                copies.append(target)
+            target.runs.append(run)
+        split[key] = copies
+    groups: dict[str, Group] = {}
+    for method in method_order({m for m, _ in by_key}):
+        keys = [k for k in by_key if k[0] == method]
+        mine = [g for k in keys for g in split[k]]
+        candidates = _label_facets([facets_of[k] for k in keys]) if len(keys) > 1 else [[]]
+        for differ in candidates:
+            for g in mine:
+                shown = [*differ, *(n for n in SHOWN_FACETS if n not in differ and g.facets.get(n) not in (None, ABSENT))]
+                parts = [f"{n}={_shown(g.facets[n])}" for n in shown] + ([f"copy {g.copy}"] if g.copy > 1 else [])
+                g.label = f"{method}[{','.join(parts)}]" if parts else method
+            if len({g.label for g in mine}) == len(mine):
+                break
+        for g in sorted(mine, key=lambda g: g.label):
+            g.runs.sort(key=lambda r: str(r.seed))
+            label, n = g.label, 1
+            while g.label in groups:  # values that print alike (2 and "2"): never overwrite a group
+                n += 1
+                g.label = f"{label}#{n}"
+            groups[g.label] = g
+    return groups
+
+
+def grouping_notes(groups: dict[str, Group]) -> list[str]:
+    """One line per thing a reader of the grouped tables must know: methods whose runs differ in
+    more than the seed (kept apart), repeated seeds (shown apart as copies), runs whose precision
+    was not recorded."""
+    notes = []
+    methods = [m for m in method_order({g.method for g in groups.values()})
+               if sum(g.method == m for g in groups.values()) > 1]
+    for method in methods:
+        labels = [label for label, g in groups.items() if g.method == method]
+        notes.append(f"note: runs of {method} differ in more than the seed; they are kept apart as {', '.join(labels)}")
+    for label, g in groups.items():
+        if g.copy > 1:
+            paths = ", ".join(str(r.path) for r in g.runs)
+            notes.append(f"note: {label} repeats seed(s) {', '.join(str(r.seed) for r in g.runs)} of an identical "
+                         f"experiment ({paths}); shown apart, never counted as more seeds")
+    unknown = sum(r.precision == "unknown" for g in groups.values() for r in g.runs)
+    if unknown:
+        notes.append(f"note: {unknown} run(s) do not record the precision they trained in (results.json from before "
+                     "posbench recorded it, trainer.precision=auto): shown as precision=unknown, never pooled with "
+                     "runs that record it")
+    return notes
+
+
+def splits(runs: Sequence[RunRecord]) -> list[str]:
+    """Headline split first (validation when present, else the most common), then the others."""
+    from collections import Counter
+
+    counts = Counter(e["split"] for r in runs for e in r.results["eval"])
+    if not counts:
+        return []
+    head = HEADLINE_SPLIT if HEADLINE_SPLIT in counts else counts.most_common(1)[0][0]
+    return [head] + sorted(s for s in counts if s != head)
+
+
+def band_key(band: str) -> tuple[float, float]:
+    try:
+        a, b = band.split("-")
+        return int(a), int(b)
+    except ValueError:
+        return (math.inf, math.inf)
+
+
+@dataclass(frozen=True)
+class Value:
+    """One run's value of a metric, with its per-sequence values (None if not stored) and the
+    fingerprint of the windows they were scored on."""
+
+    value: float
+    sequences: list[float] | None = None
+    windows: str | None = None
+
+
+def run_values(run: RunRecord, split: str) -> dict[str, Value]:
+    """Every table metric of one run on ``split``:
+
+    ``band:<b>`` and ``windowed:<b>`` (loss), ``cost:<b>`` (full minus windowed, bands past C),
+    ``ppl_ratio:<b>`` (PPL(b) / PPL(0-C)), each from the shortest length holding the band;
+    read from the run's own entries (those ``posbench eval`` added later are left out, see
+    :func:`posbench.runs.results.headline_entries`);
+    ``cum_ppl@<L>``, ``effective_length@<L>``, ``effective_length_windowed@<L>`` of the longest
+    length ``L``.
+    """
+    # The run's own entries only: one ``posbench eval`` added at a new length (``added``) never
+    # replaces a band of the training-time evaluation (like the headline, see headline_entries).
+    own = headline_entries(e for e in run.results["eval"] if e["split"] == split)
+    entries = sorted(own, key=lambda e: e["length"])
+    values: dict[str, Value] = {}
+
+    def put(name: str, block: dict[str, Any] | None, band: str, sha: str | None, ratio: bool = False) -> None:
+        if name in values or not block:
+            return
+        table = block.get("perplexity_ratio" if ratio else "bands") or {}
+        if table.get(band) is not None:
+            sequences = None if ratio else (block.get("sequence_bands") or {}).get(band)
+            values[name] = Value(float(table[band]), sequences, sha)
+
+    for entry in entries:
+        sha = entry.get("sequences_sha256")
+        for band in entry["bands"]:
+            put(f"band:{band}", entry, band, sha)
+            put(f"ppl_ratio:{band}", entry, band, sha, ratio=True)
+            if not band.startswith("0-"):
+                put(f"windowed:{band}", entry.get("windowed"), band, sha)
+                put(f"cost:{band}", entry.get("cost"), band, sha)
+    if entries:
+        last = entries[-1]
+        length = last["length"]
+        if last.get("cumulative_perplexity"):
+            values[f"cum_ppl@{length}"] = Value(float(last["cumulative_perplexity"][-1]))
+        effective = last.get("effective_length") or {}
+        for key, name in (("in_context", "effective_length"), ("windowed", "effective_length_windowed")):
+            if effective.get(key) is not None:
+                values[f"{name}@{length}"] = Value(float(effective[key]))
+    return values
+
+
+def _metric_key(name: str) -> tuple:
+    kind, _, rest = name.partition(":") if ":" in name else name.partition("@")
+    order = ["band", "windowed", "cost", "ppl_ratio", "cum_ppl", "effective_length", "effective_length_windowed"]
+    return (order.index(kind) if kind in order else len(order), band_key(rest) if "-" in rest else (int(rest or 0), 0))
+
+
+@dataclass
+class Row:
+    label: str
+    method: str
+    seeds: int
+    intervals: dict[str, Interval]
+    std: dict[str, float | None]
+    """Sample standard deviation (n - 1) of each metric across the group's runs (None below 2)."""
+    spreads: dict[str, SeedSpread] = field(default_factory=dict)
+    """The pooled between-seed sd a one-seed group's ``1 seed`` intervals are widened by, per metric."""
+
+
+def summary_rows(groups: dict[str, Group], split: str, headline: str) -> tuple[list[str], list[Row]]:
+    """(metric names, one row per group): each metric's mean and interval over the group's runs,
+    rows sorted by the headline band. A group of one seed gets its bootstrap over sequences
+    widened by the between-seed sd pooled over the groups with >= 2 seeds (:func:`one_seed_interval`)."""
+    per_group = {label: [run_values(r, split) for r in g.runs] for label, g in groups.items()}
+    metrics = sorted({m for runs in per_group.values() for v in runs for m in v}, key=_metric_key)
+    spreads = {metric: pooled_seed_sd([v[metric].value for v in runs if metric in v] for runs in per_group.values())
+               for metric in metrics}
+    rows = []
+    for label, runs in per_group.items():
+        intervals, std, widened = {}, {}, {}
+        for metric in metrics:
+            present = [v[metric].value for v in runs if metric in v]
+            if not present:
+                continue
+            first = next(v[metric] for v in runs if metric in v)
+            spread = spreads[metric]
+            if len(present) == 1 and spread is not None:
+                sequences = bootstrap_interval(first.sequences) if first.sequences else None
+                intervals[metric] = one_seed_interval(present[0], sequences, spread)
+                widened[metric] = spread
+            else:  # seeds; or one seed with no group to estimate the seed spread from: sequences only
+                intervals[metric] = across_runs(present, first.sequences)
+            std[metric] = float(np.std(present, ddof=1)) if len(present) >= 2 else None
+        rows.append(Row(label, groups[label].method, len(runs), intervals, std, widened))
+    rows.sort(key=lambda r: r.intervals[f"band:{headline}"].mean if f"band:{headline}" in r.intervals else math.inf)
+    return metrics, rows
+
+
+@dataclass
+class Pair:
+    metric: str
+    a: str
+    b: str
+    difference: Interval
+    seeds: list[str] = field(default_factory=list)
+    """The seeds both groups have, which the difference is paired over."""
+    spread: SeedSpread | None = None
+    """With one common seed: the pooled between-seed sd of paired differences its interval is
+    widened by (None: no pair of the table has >= 2 common seeds, so no interval)."""
+
+
+def _pair_spread(seeds_of: dict[tuple[str, str], dict[str, float]]) -> SeedSpread | None:
+    """The between-seed sd of paired differences, pooled over the pairs with >= 2 common seeds.
+    The pairs share groups, so their degrees of freedom are capped at what the groups hold:
+    sum over groups of (n_g - 1) minus (max n_g - 1), i.e. (k - 1)(n - 1) for k groups of n seeds."""
+    multi = {pair: diffs for pair, diffs in seeds_of.items() if len(diffs) >= 2}
+    seeds_per_group: dict[str, set[str]] = {}
+    for (a, b), diffs in multi.items():
+        seeds_per_group.setdefault(a, set()).update(diffs)
+        seeds_per_group.setdefault(b, set()).update(diffs)
+    counts = [len(seeds) for seeds in seeds_per_group.values()]
+    cap = sum(n - 1 for n in counts) - (max(counts) - 1) if counts else None
+    return pooled_seed_sd((list(diffs.values()) for diffs in multi.values()), max_df=cap)
+
+
+def paired_rows(groups: dict[str, Group], split: str, metrics: Sequence[str]) -> list[Pair]:
+    """A minus B for every pair of groups and each of ``metrics``, paired by seed: a t-interval
+    over >= 2 common seeds; with one common seed that seed's difference, its interval (the
+    bootstrap over the paired sequences when both scored the same windows) widened by the
+    pooled between-seed sd of the metric's other pairs (:func:`_pair_spread`), and no verdict."""
+    per_group = {label: {str(r.seed): run_values(r, split) for r in g.runs} for label, g in groups.items()}
+    pairs = []
+    for metric in metrics:
+        values = {label: {s: v[metric] for s, v in runs.items() if metric in v} for label, runs in per_group.items()}
+        common = {(a, b): [s for s in values[a] if s in values[b]] for a, b in combinations(per_group, 2)}
+        spread = _pair_spread({(a, b): {s: values[a][s].value - values[b][s].value for s in seeds}
+                               for (a, b), seeds in common.items()})
+        for (a, b), seeds in common.items():
+            va, vb = values[a], values[b]
+            same_windows = {s for s in seeds if va[s].windows is not None and va[s].windows == vb[s].windows}
+            diff = paired_difference({s: v.value for s, v in va.items()}, {s: v.value for s, v in vb.items()},
+                                     {s: va[s].sequences for s in same_windows},
+                                     {s: vb[s].sequences for s in same_windows}, spread=spread)
+            if diff is not None:
+                pairs.append(Pair(metric, a, b, diff, seeds, spread if len(seeds) == 1 else None))
+    return pairs
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _cell(interval: Interval | None, digits: int = 4, signed: bool = False) -> str:
+    if interval is None:
+        return "-"
+    text = f"{interval.mean:+.{digits}f}" if signed else f"{interval.mean:.{digits}f}"
+    return text if interval.half_width is None else f"{text} ± {interval.half_width:.{digits}f}"
+
+
+def _how(row: Row) -> str:
+    kinds = {i.kind for i in row.intervals.values()}
+    if "t" in kinds:
+        return f"t, {row.seeds} seeds"
+    if ONE_SEED in kinds:
+        groups = max(spread.samples for spread in row.spreads.values())
+        return f"1 seed: sequences + seed sd of {groups} groups"
+    if "bootstrap" in kinds:
+        n = max(i.n for i in row.intervals.values() if i.kind == "bootstrap")
+        return f"bootstrap, {n} seqs"
+    return "none"
+
+
+def summary_markdown(metrics: Sequence[str], rows: Sequence[Row], split: str, headline: str) -> str:
+    """Two markdown tables: loss per band (with the cost past the context), and the scalars."""
+    bands = [m.split(":", 1)[1] for m in metrics if m.startswith("band:")]
+    costs = [m.split(":", 1)[1] for m in metrics if m.startswith("cost:")]
+    scalars = [m for m in metrics if m.startswith(("cum_ppl@", "effective_length"))]
+    ratio = f"ppl_ratio:{headline}"
+    lines = [
+        f"Mean next-token loss (nats) on the `{split}` split, mean ± half-width of the 95 % interval "
+        "(t across seeds with >= 2 seeds; with one seed a bootstrap over the evaluated sequences, "
+        "widened by the between-seed sd pooled over the groups with >= 2 seeds when there are any: "
+        "one seed's interval over sequences alone is several times too narrow). "
+        "Band `a-b` = positions a..b-1, from the shortest evaluated length containing it. "
+        "**cost** = full-context loss minus the loss of the same targets seen through windows of "
+        f"the training context (positive: the long context hurts). Sorted by `{headline}`.",
+        "",
+        "| method | seeds | interval | " + " | ".join(bands) + " | " + " | ".join(f"cost {b}" for b in costs) + " |",
+        "|---|---:|---|" + "---:|" * (len(bands) + len(costs)),
+    ]
+    for row in rows:
+        cells = [_cell(row.intervals.get(f"band:{b}")) for b in bands]
+        cells += [_cell(row.intervals.get(f"cost:{b}"), signed=True) for b in costs]
+        lines.append(f"| {row.label} | {row.seeds} | {_how(row)} | " + " | ".join(cells) + " |")
+    if scalars or any(ratio in r.intervals for r in rows):
+        names = {"cum_ppl": "cumulative PPL", "effective_length": "effective length vs 0-C",
+                 "effective_length_windowed": "effective length vs windowed"}
+        heads = [f"PPL({headline}) / PPL(0-C)"] + [f"{names[m.split('@')[0]]} @{m.split('@')[1]}" for m in scalars]
+        lines += ["", "| method | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+        for row in rows:
+            cells = [_cell(row.intervals.get(ratio), 3)]
+            cells += [_cell(row.intervals.get(m), 1 if m.startswith("effective") else 2) for m in scalars]
+            lines.append(f"| {row.label} | " + " | ".join(cells) + " |")
+        lines += ["", "Effective length: the first position past the training context where the smoothed "
+                  "loss exceeds its 0-C level (or the windowed loss) by more than eps; the evaluated length "
+                  "means it never did."]
+    return "\n".join(lines) + "\n"
+
+
+def summary_csv(metrics: Sequence[str], rows: Sequence[Row], groups: dict[str, Group]) -> str:
+    """One row per group: ``<metric>_mean``, ``_low``, ``_high``, ``_std`` (across seeds) for
+    every metric; band metrics are named by the band alone (``256-512_mean``)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    names = [m.removeprefix("band:").replace(":", "_").replace("@", "_") for m in metrics]
+    writer.writerow(["method", "label", "facets", "seeds", "interval"]
+                    + [f"{n}_{s}" for n in names for s in ("mean", "low", "high", "std")])
+    for row in rows:
+        group = groups[row.label]
+        cells: list[Any] = [row.method, row.label, json.dumps(group.facets, default=str), row.seeds, _how(row)]
+        for metric in metrics:
+            interval = row.intervals.get(metric)
+            if interval is None:
+                cells += ["", "", "", ""]
+                continue
+            std = row.std.get(metric)
+            cells += [repr(interval.mean), "" if interval.low is None else repr(interval.low),
+                      "" if interval.high is None else repr(interval.high), "" if std is None else repr(std)]
+        writer.writerow(cells)
+    return buffer.getvalue()
+
+
+def _verdict(pair: Pair) -> str:
+    d = pair.difference
+    if d.kind == ONE_SEED:
+        return "none: 1 seed"
+    if d.distinguishable is None:
+        return "no interval"
+    return "yes" if d.distinguishable else "not distinguishable"
+
+
+def _how_pair(pair: Pair) -> str:
+    d = pair.difference
+    if d.kind == ONE_SEED:
+        seed = f"1 seed (seed {pair.seeds[0]})" if pair.seeds else "1 seed"
+        if pair.spread is None:
+            return f"{seed}; no pair with 2 seeds to estimate the seed spread from"
+        return f"{seed}; seed sd {pair.spread.sd:.4f} of {pair.spread.samples} pairs, df {pair.spread.df}"
+    return {"t": f"t, {d.n} seeds paired", "bootstrap": f"bootstrap, {d.n} paired seqs"}.get(d.kind, "one value")
+
+
+def paired_markdown(pairs: Sequence[Pair]) -> str:
+    """A table of differences ``A - B`` with their 95 % interval and, over >= 2 seeds, whether
+    it excludes 0; a one-seed difference gets no verdict."""
+    lines = [
+        "Differences A - B in nats (negative: A is better), 95 % interval of the paired difference "
+        "across seeds, paired by seed (t). **not distinguishable** = the interval contains 0. "
+        "A pair with one common seed orders nothing: its difference is that seed's, marked "
+        "**1 seed**, its interval the bootstrap over the paired sequences widened by the "
+        "between-seed sd of the paired differences pooled over the pairs with >= 2 common seeds "
+        "(none when no pair has them), and it gets no verdict.",
+        "",
+        "| metric | A | B | A - B | 95 % interval | paired over | distinguishable |",
+        "|---|---|---|---:|---|---|---|",
+    ]
+    for p in pairs:
+        d = p.difference
+        shown = "-" if d.low is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
+        mean = f"{d.mean:+.4f} (1 seed)" if d.kind == ONE_SEED else f"{d.mean:+.4f}"
+        lines.append(f"| {p.metric} | {p.a} | {p.b} | {mean} | {shown} | {_how_pair(p)} | {_verdict(p)} |")
+    if not pairs:
+        lines.append("| - | - | - | - | - | - | fewer than two groups share a seed |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_csv(pairs: Sequence[Pair]) -> str:
+    """One row per pair and metric; ``distinguishable`` is empty for a ``1 seed`` difference
+    (no verdict), ``seeds`` the common seeds, ``seed_sd``/``seed_df`` its widening spread."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["metric", "a", "b", "difference", "low", "high", "n", "kind", "distinguishable", "seeds",
+                     "seed_sd", "seed_df"])
+    for p in pairs:
+        d = p.difference
+        writer.writerow([p.metric, p.a, p.b, repr(d.mean), "" if d.low is None else repr(d.low),
+                         "" if d.high is None else repr(d.high), d.n, d.kind,
+                         "" if d.distinguishable is None else str(d.distinguishable).lower(), " ".join(p.seeds),
+                         "" if p.spread is None else repr(p.spread.sd), "" if p.spread is None else p.spread.df])
+    return buffer.getvalue()
+
+
+@dataclass
+class Comparison:
+    """Everything the tables need, computed once for a set of runs."""
+
+    groups: dict[str, Group]
+    split: str
+    context: int
+    headline: str
+    metrics: list[str]
+    rows: list[Row]
+    pairs: list[Pair]
+
+    @property
+    def headline_pairs(self) -> list[Pair]:
+        return [p for p in self.pairs if p.metric in (f"band:{self.headline}", f"cost:{self.headline}")]
+
+
+def compare_runs(runs: Sequence[RunRecord]) -> Comparison:
+    """Group ``runs``, summarise every metric per group and pair the groups on every band past
+    the training context (loss and cost), on the headline split."""
+    from collections import Counter
+
+    runs = [r.plain() for r in runs]  # context-extension entries are compared in plot_extension
+    groups = group_runs(runs)
+    context = Counter(r.train_context for r in runs).most_common(1)[0][0] if runs else 256
+    headline = f"{context}-{2 * context}"
+    split = (splits(runs) or [HEADLINE_SPLIT])[0]
+    metrics, rows = summary_rows(groups, split, headline)
+    past = [m for m in metrics if m.startswith(("band:", "cost:")) and not m.split(":", 1)[1].startswith("0-")]
+    past.sort(key=lambda m: (band_key(m.split(":", 1)[1]) != band_key(headline), m.startswith("cost:"), _metric_key(m)))
+    by_rank = {row.label: groups[row.label] for row in rows}  # pairs read best first: A - B < 0 mostly
+    return Comparison(groups, split, context, headline, metrics, rows, paired_rows(by_rank, split, past))

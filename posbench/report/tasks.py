@@ -1,0 +1,394 @@
+"""Task runs in comparisons: accuracy against length per method, with intervals, and tables.
+
+``posbench plot`` (and a sweep's ``comparison/``) hands task runs here: runs are split by task
+(name and options), grouped within a task as the loss tables group text runs
+(:func:`posbench.report.compare.group_runs`: runs that differ only by seed), and each group's accuracy
+at every length gets a 95 % interval: a t-interval over the seeds' means with >= 2 seeds, else a
+bootstrap over the one run's sequences (:func:`posbench.evaluation.stats.across_runs`).
+
+Gating: a seed that did not learn its task at C (accuracy at C on the standard test below
+``task.learnt_at_c``; :func:`posbench.evaluation.tasks.learnt_at_c`) is never averaged: the tables
+and figures average the learnt seeds only and list the others, seed by seed, as "not learnt at
+C". Each test set (``task.tests``) gets its own tables, with its baselines (chance and the
+shortcuts) and, where the task reports them, its lookback or string lengths beside them.
+
+Writes ``tasks_<task>.png`` (accuracy and, for copy, exact match against length), ``tasks.md``
+and ``tasks.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from posbench.core.io import write_text_atomic
+from posbench.evaluation.stats import Interval, across_runs
+from posbench.evaluation.tasks import learnt_at_c
+from posbench.model.extension import NONE
+from posbench.report.compare import group_runs
+from posbench.report.figures import line_styles, new_figure, save
+from posbench.runs.results import RunRecord
+from posbench.tasks.base import STANDARD
+
+
+def is_task_run(run: RunRecord) -> bool:
+    return "task" in run.results
+
+
+def task_label(run: RunRecord) -> str:
+    """``name`` plus the options that set its data (``flipflop {p_ignore: 0.8, ...}``)."""
+    task = run.results["task"]
+    return f"{task['name']} {json.dumps(task.get('options', {}), sort_keys=True)}"
+
+
+def test_set(entry: dict[str, Any]) -> str:
+    """An entry's test set (entries from before named test sets are the standard one)."""
+    return entry.get("test_set", STANDARD)
+
+
+def plain_entries(run: RunRecord, metric: str, test: str = STANDARD) -> dict[int, dict[str, Any]]:
+    """length -> the plain model's entry of test set ``test`` holding ``metric``."""
+    return {int(e["length"]): e for e in run.results["task"]["entries"]
+            if e.get("extension", NONE) == NONE and metric in e and test_set(e) == test}
+
+
+def learnt(run: RunRecord) -> bool:
+    """Whether the run learnt its task at C (:func:`posbench.evaluation.tasks.learnt_at_c`)."""
+    return learnt_at_c(run.results["task"], run.train_context)["learnt"]
+
+
+def not_learnt_note(run: RunRecord) -> str:
+    """``s2 (0.868 < 0.9)``: a seed left out of the averages, with its accuracy at C."""
+    verdict = learnt_at_c(run.results["task"], run.train_context)
+    value = "no standard test at C" if verdict["value"] is None else f"{verdict['value']:.3f}"
+    return f"s{run.seed} ({value} < {verdict['threshold']:g})"
+
+
+def interval(runs: Sequence[RunRecord], metric: str, length: int, bucket: str | None = None,
+             test: str = STANDARD, by: str = "by_position") -> Interval | None:
+    """A group's ``metric`` at ``length`` on test set ``test`` (overall, or in the band
+    ``bucket`` of ``by``: ``by_position``, ``by_lookback``, ...): a t-interval over its runs'
+    means, or for one run the entry's own bootstrap over its sequences."""
+    blocks = []
+    for run in runs:
+        entry = plain_entries(run, metric, test).get(length)
+        block = None if entry is None else (entry[metric] if bucket is None else entry.get(by, {}).get(bucket))
+        if block is None or block.get("mean") is None:
+            return None
+        blocks.append(block)
+    if not blocks:
+        return None
+    if len(blocks) == 1:  # the same bootstrap_interval over the same sequences that the run stored
+        one = blocks[0]
+        return Interval(one["mean"], one["low"], one["high"], one["n"], one["kind"])
+    return across_runs([float(block["mean"]) for block in blocks])
+
+
+def unscored_reason(run: RunRecord) -> str | None:
+    """Why a task run cannot be shown (NaN accuracies), or None."""
+    bad = sorted({f"{test_set(e)} L={e['length']}" for e in run.results["task"].get("entries", [])
+                  for metric in ("accuracy", "exact_match")
+                  if isinstance((e.get(metric) or {}).get("mean"), float) and math.isnan(e[metric]["mean"])})
+    return f"its results.json holds NaN task accuracies ({', '.join(bad)})" if bad else None
+
+
+def split_unscored(runs: Sequence[RunRecord]) -> tuple[list[RunRecord], list[tuple[str, str]]]:
+    """``runs`` without the task runs whose results hold NaN accuracies, and those as problems."""
+    kept, dropped = [], []
+    for run in runs:
+        reason = unscored_reason(run) if is_task_run(run) else None
+        if reason is None:
+            kept.append(run)
+        else:
+            dropped.append((str(run.path), reason))
+    return kept, dropped
+
+
+@dataclass
+class TaskTable:
+    """One task's comparison: its groups (label -> runs, every seed), lengths, metrics, chance
+    level and test sets. :meth:`learnt` and :meth:`not_learnt` split a group by the gate."""
+
+    name: str
+    label: str
+    groups: dict[str, list[RunRecord]]
+    lengths: list[int]
+    metrics: list[str]
+    chance: float
+    context: int
+    tests: list[str] = field(default_factory=lambda: [STANDARD])
+
+    def learnt(self, label: str) -> list[RunRecord]:
+        return [r for r in self.groups[label] if learnt(r)]
+
+    def not_learnt(self, label: str) -> list[RunRecord]:
+        return [r for r in self.groups[label] if not learnt(r)]
+
+    def baselines(self, test: str, length: int) -> dict[str, float]:
+        """The baselines stored with the test sequences (the same for every run), else chance."""
+        for runs in self.groups.values():
+            for run in runs:
+                entry = plain_entries(run, "accuracy", test).get(length)
+                if entry is not None and "baselines" in entry:
+                    return {k: v for k, v in entry["baselines"].items() if v is not None}
+        return {"chance": self.chance}
+
+    def axis(self, test: str, length: int) -> tuple[str, dict[str, Any]] | None:
+        """The test's answer axis (``lookback``, ``string_length``) summary at ``length``, if stored."""
+        for runs in self.groups.values():
+            for run in runs:
+                entry = plain_entries(run, "accuracy", test).get(length, {})
+                for name in ("lookback", "string_length"):
+                    if isinstance(entry.get(name), dict):
+                        return name, entry[name]
+        return None
+
+
+def task_tables(runs: Sequence[RunRecord]) -> list[TaskTable]:
+    """The task runs of ``runs``, one table per task and options (in first-seen order)."""
+    by_task: dict[str, list[RunRecord]] = {}
+    for run in runs:
+        if is_task_run(run):
+            by_task.setdefault(task_label(run), []).append(run)
+    tables = []
+    for label, members in by_task.items():
+        task = members[0].results["task"]
+        lengths = sorted({int(e["length"]) for r in members for e in r.results["task"]["entries"]})
+        tests = list(dict.fromkeys(test_set(e) for r in members for e in r.results["task"]["entries"]))
+        groups = {g.label: g.runs for g in group_runs(members).values()}
+        tables.append(TaskTable(task["name"], label, groups, lengths, list(task.get("metrics", ["accuracy"])),
+                                float(task.get("chance", 0.0)), min(r.train_context for r in members), tests))
+    return tables
+
+
+def _cell(value: Interval | None) -> str:
+    if value is None:
+        return "-"
+    if value.half_width is None:
+        return f"{value.mean:.3f}"
+    return f"{value.mean:.3f} ± {value.half_width:.3f}"
+
+
+def _how(runs: Sequence[RunRecord]) -> str:
+    return f"t over {len(runs)} seeds" if len(runs) > 1 else "bootstrap over sequences (1 seed)"
+
+
+TEST_NOTES = {
+    ("flipflop", STANDARD): "instructions drawn as in training (task.eval_p_ignore): the reads look back about "
+                            "as far at 8C as at C (see the lookback row)",
+    ("flipflop", "sparse"): "p_ignore 0.98 (Liu et al.'s sparse test): long runs of ignores before a read",
+    ("flipflop", "far"): "one scored read per sequence whose last write lies a drawn lookback back, stratified "
+                         "over the bands 0-C, C-2C, ... of the length: at 8C a quarter of the reads look back > 4C",
+    ("copy", STANDARD): "the longest string that fits, n = L/2: past C the string is longer than any in training "
+                        "and copied from further back, at new positions",
+    ("copy", "shifted"): "a training-length string placed within the last C tokens: past C only the positions are new",
+    ("assoc_recall", STANDARD): "N pairs at every length, queries at power-law gaps, values as labels only; "
+                                "baselines: `chance` guesses among all values, `in_context` among the values in the "
+                                "sequence (1/N), `elimination` among the values whose pairs have not been queried "
+                                "yet (1/N when answers are labels only): a model above them reads the query key",
+}
+"""One line per test set in tasks.md (docs/tasks.md describes them)."""
+
+
+BANDS = {"by_position": "answer position", "by_lookback": "lookback", "by_string_length": "string length"}
+"""The band breakdowns of an entry, and their names in tasks.md."""
+
+
+def _head(table: TaskTable) -> str:
+    return " | ".join(f"L={L} ({L // table.context}C)" if L % table.context == 0 else f"L={L}" for L in table.lengths)
+
+
+def _baseline_rows(table: TaskTable, test: str) -> list[str]:
+    """Chance and the shortcuts (and the window-C oracle) by length, then the answer axis."""
+    names = list(dict.fromkeys(k for L in table.lengths for k in table.baselines(test, L)))
+    rows = [f"| *baseline: {name}* | | " + " | ".join(
+        f"{table.baselines(test, L)[name]:.3f}" if name in table.baselines(test, L) else "-" for L in table.lengths)
+        + " | expected accuracy on these sequences | |" for name in names]
+    axes = [table.axis(test, L) for L in table.lengths]
+    if any(axes):
+        name = next(a[0] for a in axes if a)
+        cells = " | ".join("-" if a is None or a[1]["median"] is None else
+                           f"{a[1]['median']:g} / {a[1]['p90']:g} / {a[1]['beyond_context']:.3f}" for a in axes)
+        rows.append(f"| *{name}: median / p90 / share >= C* | | {cells} | tokens | |")
+    return rows
+
+
+def _not_learnt_rows(table: TaskTable, metric: str, test: str) -> list[str]:
+    rows = []
+    for label in table.groups:
+        for run in table.not_learnt(label):
+            cells = " | ".join(_cell(interval([run], metric, L, test=test)) for L in table.lengths)
+            rows.append(f"| {label} s{run.seed} | {not_learnt_note(run)} | {cells} |")
+    return rows
+
+
+def _band_table(table: TaskTable, test: str, by: str, title: str) -> list[str]:
+    """Accuracy by the bands of ``by`` at the longest length, learnt seeds only."""
+    longest = table.lengths[-1]
+    buckets = sorted({b for label in table.groups for r in table.learnt(label)
+                      for b in plain_entries(r, "accuracy", test).get(longest, {}).get(by, {})},
+                     key=lambda b: int(b.split("-")[0]))
+    if not buckets:
+        return []
+    lines = [f"**accuracy by {title} at L={longest}** (learnt seeds)", "",
+             "| method | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
+    answers = {}
+    for label in table.groups:
+        if runs := table.learnt(label):
+            lines.append(f"| {label} | " + " | ".join(_cell(interval(runs, "accuracy", longest, b, test, by))
+                                                       for b in buckets) + " |")
+            bands = plain_entries(runs[0], "accuracy", test).get(longest, {}).get(by, {})
+            answers = answers or {b: bands[b].get("answers", "-") for b in bands}
+    return lines + ["| *answers per run* | " + " | ".join(str(answers.get(b, "-")) for b in buckets) + " |", ""]
+
+
+def tables_markdown(tables: Sequence[TaskTable]) -> str:
+    """``tasks.md``: per task, test set and metric, mean ± 95 % half-width by length over the
+    seeds that learnt the task at C, the baselines and answer axis beside them, the seeds that
+    did not learn it one by one; then accuracy by answer position (and lookback or string
+    length) at the longest length."""
+    lines = ["# Synthetic tasks: accuracy on answer tokens by length", "",
+             ("Mean over test sequences (each sequence's fraction of right answers) ± the 95 % half-width: "
+              "t-interval over seeds, or a bootstrap over sequences for one seed (column `interval`). "
+              "Only seeds that learnt the task at C (accuracy at C on the standard test >= task.learnt_at_c) "
+              "are averaged; the others are listed apart as not learnt at C. See docs/tasks.md."), ""]
+    for table in tables:
+        c = table.context
+        lines += [f"## {table.label}", "", f"Training context C = {c}; chance {table.chance:.3f}.", ""]
+        for test in table.tests:
+            lines += [f"### test set `{test}`", "", TEST_NOTES.get((table.name, test), test) + ".", ""]
+            for metric in table.metrics:
+                lines += [f"**{metric}**", "", f"| method | seeds | {_head(table)} | interval | not learnt at C |",
+                          "|---|---:|" + "---:|" * len(table.lengths) + "---|---|"]
+                for label in table.groups:
+                    runs, left_out = table.learnt(label), table.not_learnt(label)
+                    cells = " | ".join(_cell(interval(runs, metric, L, test=test)) for L in table.lengths)
+                    note = ", ".join(not_learnt_note(r) for r in left_out)
+                    lines.append(f"| {label} | {len(runs)} | {cells} | {_how(runs) if runs else '-'} | {note} |")
+                if metric == "accuracy":
+                    lines += _baseline_rows(table, test)
+                lines.append("")
+                if not_learnt := _not_learnt_rows(table, metric, test):
+                    lines += [f"not learnt at C ({metric}, each seed alone; no claim past C):", "",
+                              f"| run | accuracy at C < threshold | {_head(table)} |",
+                              "|---|---|" + "---:|" * len(table.lengths), *not_learnt, ""]
+            for by, title in BANDS.items():
+                lines += _band_table(table, test, by, title)
+    return "\n".join(lines)
+
+
+def tables_csv(tables: Sequence[TaskTable]) -> str:
+    """``tasks.csv``: one row per (task, test set, group, metric, length, band or ``all``) over
+    the learnt seeds (``not_learnt`` counts the seeds left out); ``options`` is the task's
+    options as JSON, ``positions`` is ``all``, a position band or ``lookback:a-b``
+    (``string_length:a-b``), and ``baselines`` (rows of accuracy over ``all``) the JSON of the
+    baselines' expected accuracy on the same sequences."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["task", "options", "group", "seeds", "metric", "length", "positions", "mean", "low", "high", "n",
+                     "interval", "test_set", "not_learnt", "baselines"])
+    for table in tables:
+        options = table.label.split(" ", 1)[1]
+        for test in table.tests:
+            for label in table.groups:
+                runs, left_out = table.learnt(label), len(table.not_learnt(label))
+                for metric in table.metrics:
+                    for L in table.lengths:
+                        entry = plain_entries(runs[0], metric, test).get(L, {}) if runs else {}
+                        bands = [(None, "by_position")] + ([(b, by) for by in BANDS for b in entry.get(by, {})]
+                                                           if metric == "accuracy" else [])
+                        for bucket, by in bands:
+                            value = interval(runs, metric, L, bucket, test, by)
+                            if value is None:
+                                continue
+                            where = "all" if bucket is None else bucket if by == "by_position" else f"{by[3:]}:{bucket}"
+                            bounds = ["" if v is None else f"{v:.6f}" for v in (value.low, value.high)]
+                            baselines = (json.dumps({k: round(v, 6) for k, v in table.baselines(test, L).items()})
+                                         if metric == "accuracy" and bucket is None else "")
+                            writer.writerow([table.name, options, label, len(runs), metric, L, where,
+                                             f"{value.mean:.6f}", *bounds, value.n, value.kind, test, left_out,
+                                             baselines])
+    return buffer.getvalue()
+
+
+SHORTCUTS = ("previous_bit", "previous_symbol", "most_frequent", "in_context", "elimination")
+"""Baselines drawn as the best shortcut line (the window-C oracle is drawn apart)."""
+
+
+def _baseline_lines(ax, table: TaskTable, test: str) -> None:
+    """Chance (dotted), the best shortcut (dashed) and the window-C oracle (dash-dot), in grey."""
+    ax.axhline(table.chance, color="grey", linestyle=":", linewidth=1, label="chance")
+    values = [table.baselines(test, L) for L in table.lengths]
+    best = [max((v[k] for k in SHORTCUTS if k in v), default=None) for v in values]
+    if any(b is not None for b in best):
+        ax.plot([L for L, b in zip(table.lengths, best, strict=True) if b is not None], [b for b in best if b is not None],
+                color="grey", linestyle="--", linewidth=1, label="best shortcut")
+    if all("window_C" in v for v in values):
+        ax.plot(table.lengths, [v["window_C"] for v in values], color="silver", linestyle="-.", linewidth=1,
+                label="window-C oracle")
+
+
+def task_figure(table: TaskTable):
+    """Accuracy (and exact match) against length per test set, one line per group over its
+    learnt seeds, 95 % interval bars, the baselines in grey."""
+    panels = [(test, metric) for test in table.tests for metric in table.metrics]
+    fig = new_figure(5.0 * len(panels) + 3.0, 4.5)
+    styles = line_styles(list(table.groups))
+    for i, (test, metric) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for label in table.groups:
+            runs, left_out = table.learnt(label), len(table.not_learnt(label))
+            points = [(L, interval(runs, metric, L, test=test)) for L in table.lengths] if runs else []
+            points = [(L, v) for L, v in points if v is not None]
+            if not points:
+                continue
+            x = np.array([L for L, _ in points], dtype=float)
+            y = np.array([v.mean for _, v in points])
+            err = np.array([[v.mean - (v.low if v.low is not None else v.mean) for _, v in points],
+                            [(v.high if v.high is not None else v.mean) - v.mean for _, v in points]])
+            note = f"; {left_out} not learnt at C" if left_out else ""
+            ax.errorbar(x, y, yerr=err, color=styles[label]["color"], marker=styles[label]["marker"] or "o",
+                        markersize=4, capsize=3, linewidth=1.3,
+                        label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''}{note})")
+        if metric == "accuracy":
+            _baseline_lines(ax, table, test)
+        ax.axvline(table.context, color="black", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(table.lengths, [str(L) for L in table.lengths])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("test length L (dotted: training context)")
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.set_title(f"test set {test}: {metric} on answer tokens", fontsize=8)
+    fig.suptitle(f"{table.label}\nseeds that learnt the task at C, 95 % intervals", fontsize=8)
+    fig.axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return fig
+
+
+def plot_task_runs(runs: Sequence[RunRecord], out: Path, formats: Sequence[str],
+                   log: Callable[[str], Any]) -> list[Path]:
+    """Figures and tables of the task runs among ``runs`` into ``out``; [] when there are none."""
+    tables = task_tables(runs)
+    if not tables:
+        return []
+    files: list[Path] = []
+    for table in tables:
+        stem = f"tasks_{table.name}"
+        if sum(t.name == table.name for t in tables) > 1:  # the same task with other options
+            stem += f"_{tables.index(table)}"
+        files += save(task_figure(table), out, stem, formats)
+    write_text_atomic(out / "tasks.md", tables_markdown(tables))
+    write_text_atomic(out / "tasks.csv", tables_csv(tables))
+    log(f"task tables for {sum(len(rs) for t in tables for rs in t.groups.values())} runs: {out / 'tasks.md'}")
+    return files + [out / "tasks.md", out / "tasks.csv"]
+
+
+__all__ = ["TaskTable", "interval", "is_task_run", "learnt", "plain_entries", "plot_task_runs", "split_unscored",
+           "tables_csv", "tables_markdown", "task_figure", "task_tables"]

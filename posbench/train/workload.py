@@ -1,0 +1,134 @@
+"""What a run trains on and is scored on: text (a token cache) or a synthetic task.
+
+The trainer asks its workload for everything that differs between the two, so
+:mod:`posbench.train.trainer` never branches on the kind of run. :func:`make_workload` picks
+:class:`TextWorkload` (``data=...``) or :class:`posbench.train.task_workload.TaskWorkload`
+(``task=<name>``); both follow :class:`Workload`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from posbench.data import PreparedData, prepare_data
+from posbench.data.loader import TrainBatches
+from posbench.data.retrieval import RetrievalConfig, make_inserter
+from posbench.evaluation.loss import evaluate_run, headline, per_position_loss, validation_sets
+from posbench.runs.resume import data_identity
+from posbench.train.task_workload import TaskWorkload
+
+
+class Workload(Protocol):
+    """The data side of a run, as the trainer uses it."""
+
+    @property
+    def text(self) -> PreparedData | None:
+        """Held-out text for the probes (``eval.probes``); None where there is none."""
+
+    @property
+    def data_dir(self) -> str | None:
+        """The token cache a checkpoint records (None: generated data)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def train_batches(self, t: Any, seed: int, rank: int, world_size: int, device: torch.device) -> Any:
+        """``get(step) -> (x, y)`` on the device and ``steps_per_epoch``."""
+
+    def micro_loss(self, loss: torch.Tensor, part: torch.Tensor, whole: torch.Tensor, accum: int) -> torch.Tensor:
+        """A micro-batch's loss as its term of the global batch's loss (``part``: its targets,
+        ``whole``: the batch's; the trainer sums the terms of ``accum`` micro-batches)."""
+
+    def validation_sets(self, model: nn.Module, t: Any, log: Callable[[str], None]) -> dict[str, Any]:
+        """The fixed in-training validation sets, by name."""
+
+    def validation_row(self, model: nn.Module, sets: dict[str, Any], context: int, batch_size: int,
+                       device: torch.device, amp_dtype: torch.dtype | None) -> dict[str, float]:
+        """metrics.jsonl values of one validation (``val_loss`` always among them)."""
+
+    def identity(self) -> dict[str, str]:
+        """What the training data is, for the resume check."""
+
+    def evaluate(self, model: nn.Module, spec: Any, device: torch.device, amp_dtype: torch.dtype | None,
+                 log: Callable[[str], None]) -> dict[str, Any]:
+        """The final evaluation: the top part of results.json."""
+
+    def record(self) -> dict[str, Any]:
+        """results.json's ``data``."""
+
+    def summary(self, results: dict[str, Any]) -> dict[str, float]:
+        """Summary values for the logger (W&B)."""
+
+    def done_line(self, results: dict[str, Any], context: int) -> str:
+        """The run's last log line, after ``done: <results.json>;``."""
+
+
+class TextWorkload:
+    """A text run: windows of a tokenized corpus (:class:`posbench.data.PreparedData`), scored by
+    the loss at every position (:mod:`posbench.evaluation.loss`)."""
+
+    def __init__(self, prepared: PreparedData, retrieval: RetrievalConfig | None = None) -> None:
+        self.text = prepared
+        self.data_dir = str(prepared.dir)
+        self.retrieval = retrieval or RetrievalConfig()  # data.retrieval: inserted into training windows only
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    def train_batches(self, t: Any, seed: int, rank: int, world_size: int, device: torch.device) -> TrainBatches:
+        # One pinned host buffer per step, copied without blocking (no per-token Python work).
+        return TrainBatches(self.text.train_tokens(), t.context, t.batch_size, seed, rank=rank,
+                            world_size=world_size, device=device, pin_memory=device.type == "cuda",
+                            insert=make_inserter(self.retrieval, t.context, self.text, seed))
+
+    def micro_loss(self, loss: torch.Tensor, part: torch.Tensor, whole: torch.Tensor, accum: int) -> torch.Tensor:
+        return loss  # every target counts: equal micro-batches hold equal numbers of them
+
+    def validation_sets(self, model: nn.Module, t: Any, log: Callable[[str], None]) -> dict[str, torch.Tensor]:
+        return validation_sets(self.text, model, t, log)
+
+    def validation_row(self, model: nn.Module, sets: dict[str, torch.Tensor], context: int, batch_size: int,
+                       device: torch.device, amp_dtype: torch.dtype | None) -> dict[str, float]:
+        """``val_loss`` at C and ``val_loss_<C>_<2C>`` on the C-2C band, with the fp32-head
+        evaluator, so val_loss is comparable with results.json's 0-C band."""
+        row = {}
+        for name, sequences in sets.items():
+            losses = per_position_loss(model, sequences, batch_size, device, autocast_dtype=amp_dtype)
+            row[name] = float(losses.mean() if name == "val_loss" else losses[context:2 * context].mean())
+        return row
+
+    def identity(self) -> dict[str, str]:
+        # data.retrieval changes the training windows: a resume must keep it (off or its settings).
+        shown = str(sorted(self.retrieval.to_dict().items())) if self.retrieval.active else "off"
+        return {**data_identity(self.text), "retrieval": shown}
+
+    def evaluate(self, model: nn.Module, spec: Any, device: torch.device, amp_dtype: torch.dtype | None,
+                 log: Callable[[str], None]) -> dict[str, Any]:
+        return evaluate_run(model, self.text, spec, device, amp_dtype, log)
+
+    def record(self) -> dict[str, Any]:
+        if not self.retrieval.active:
+            return {"dir": str(self.text.dir), "meta": self.text.meta}
+        return {"dir": str(self.text.dir), "meta": self.text.meta, "retrieval": self.retrieval.to_dict()}
+
+    def summary(self, results: dict[str, Any]) -> dict[str, float]:
+        return {}
+
+    def done_line(self, results: dict[str, Any], context: int) -> str:
+        band = f"{context}-{2 * context}"
+        return f"{band} loss {headline(results, band):.4f}"
+
+
+def make_workload(spec: Any, log: Callable[[str], None]) -> Workload:
+    """``spec`` (a :class:`posbench.runs.spec.RunSpec`) -> its workload: the task's generator for
+    ``task=<name>`` (no token cache), else the prepared text of ``data``."""
+    if spec.task:
+        return TaskWorkload(spec.task, spec.task_options)
+    return TextWorkload(prepare_data(spec.data, log=log), spec.data.retrieval)
+
+
+__all__ = ["TextWorkload", "Workload", "make_workload"]
