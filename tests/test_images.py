@@ -131,6 +131,9 @@ def test_npz_source(tmp_path):
     np.savez(tmp_path / "float.npz", x_train=images.astype(np.float32), y_train=labels)
     with pytest.raises(PosbenchError, match="uint8"):
         load_images(tmp_path / "float.npz", "train")
+    np.save(tmp_path / "one.npy", images)
+    with pytest.raises(PosbenchError, match="one array, not an .npz archive"):
+        load_images(tmp_path / "one.npy", "train")
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(PosbenchError, match="not an .npz archive"):
         load_images(tmp_path / "notes.txt", "train")

@@ -89,13 +89,16 @@ def _image_set(images: np.ndarray, labels: np.ndarray, where: str) -> ImageSet:
 def _read_npz(path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     keys = (f"x_{split}", f"y_{split}")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            if not set(keys) <= set(archive.files):
-                raise PosbenchError(f"{path} lacks {' and '.join(keys)} (it has {', '.join(archive.files)}); "
-                                    f"pass an .npz with x_train/y_train/x_test/y_test or {SOURCE_HINT}")
-            return archive[keys[0]], archive[keys[1]]
-    except (OSError, ValueError) as err:  # not a zip/npy file
+        archive = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:  # neither a zip nor an .npy file
         raise PosbenchError(f"{path} is not an .npz archive ({one_line(err)}); pass {SOURCE_HINT}") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):  # a single .npy array
+        raise PosbenchError(f"{path} is one array, not an .npz archive; pass {SOURCE_HINT}")
+    with archive:
+        if not set(keys) <= set(archive.files):
+            raise PosbenchError(f"{path} lacks {' and '.join(keys)} (it has {', '.join(archive.files)}); "
+                                f"pass an .npz with x_train/y_train/x_test/y_test or {SOURCE_HINT}")
+        return archive[keys[0]], archive[keys[1]]
 
 
 def idx_path(folder: Path, split: str, kind: str) -> Path:
