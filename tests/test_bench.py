@@ -204,6 +204,22 @@ def test_a_failing_method_keeps_the_others(tmp_path, monkeypatch):
     assert "| alibi | sdpa | RuntimeError |" in md and "| nope |" in md and "peer=false" in md
 
 
+def test_bench_compiles_as_the_trainer(tmp_path, monkeypatch):
+    """The model and the peer go through the trainer's compile_model, in the trainer's compile mode."""
+    seen = []
+
+    def fake_compile(model, mode, cache_dir=None):
+        seen.append((type(model).__name__, mode, cache_dir))
+        return model
+
+    monkeypatch.setattr(measure, "compile_model", fake_compile)
+    cfg = compose_bench("model=tiny", "steps=1", "warmup_steps=0", "eval_lengths=[]", "batch_size=2", "context=16",
+                        "methods=[rope]", "peer=true", "compile=true", "peak_tflops=1", f"out='{tmp_path}'")
+    report = command.run_bench(cfg)
+    assert report["compiled"] is True and "skipped" not in report["peer"], report["peer"]
+    assert seen == [("Transformer", "default", None), ("LlamaForCausalLM", "default", None)]
+
+
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     # cwd=tmp_path: Hydra creates its run dir (outputs/bench/...) relative to the working directory
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
