@@ -146,7 +146,10 @@ def test_default_config_composes():
         ("context=-4", "context must be a positive integer"),
         ("steps=0", "steps must be a positive integer"),
         ("warmup_steps=-1", "warmup_steps must be an integer >= 0"),
-        ("eval_lengths=[512,0]", "eval_lengths entries must be a positive integer"),
+        ("eval_lengths=[512,0]", "eval_lengths entries must be a positive integer, got 0; e.g. eval_lengths=[512,1024]"),
+        ("batch_size=abc", "bench.batch_size must be an integer, got 'abc'"),
+        ("peer=maybe", "bench.peer must be true or false"),
+        ("+speed=1", "unknown option(s) bench.speed"),
         ("compile=maybe", "compile must be auto, true or false"),
         ("precision=fp16", "precision must be auto, fp32 or bf16"),
         ("peak_tflops=-3", "peak_tflops must be auto, null or a positive number"),
@@ -159,6 +162,19 @@ def test_bad_input_is_a_one_line_error(override, words):
         settings_from_config(compose_bench("model=tiny", override))
     assert words in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("override, field, value", [
+    ("eval_lengths=128", "eval_lengths", [128]), ("eval_lengths=null", "eval_lengths", []),
+    ("eval_lengths=[256,128,256]", "eval_lengths", [128, 256]), ("out=2024", "out", "2024"),
+    ("peak_tflops=null", "peak_tflops", None), ("peak_tflops=400", "peak_tflops", 400.0),
+    ("compile=true", "compile", "true"), ("methods=[alibi,rope,alibi]", "methods", ["alibi", "rope"]),
+])
+def test_short_forms_of_the_command_line(override, field, value):
+    """What the command line writes short stays accepted as before the settings were typed."""
+    settings, _ = settings_from_config(compose_bench("model=tiny", override))
+    assert getattr(settings, field) == value
+    assert settings_from_config(compose_bench("model=tiny", "methods=null"))[0].methods == posbench.list_methods()
 
 
 def test_unknown_method_fails_before_any_work(tmp_path):

@@ -66,7 +66,8 @@ class BenchSettings:
         for name in ("batch_size", "context", "steps", "eval_batch_size", "eval_steps", "vocab_size"):
             _check_int(name, getattr(self, name))
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
-        self.eval_lengths = sorted({_check_int("eval_lengths entries", n) for n in self.eval_lengths})
+        self.eval_lengths = sorted({_check_int("eval_lengths entries", n, example="eval_lengths=[512,1024]")
+                                    for n in self.eval_lengths})
         self.compile = self.compile.lower()
         if self.compile not in ("auto", "true", "false"):
             raise PosbenchError(f"compile must be auto, true or false, got {self.compile!r}")
@@ -76,10 +77,10 @@ class BenchSettings:
             raise PosbenchError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+def _check_int(name: str, value: Any, minimum: int = 1, example: str | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise PosbenchError(f"{name} must be {kind}, got {value!r}; e.g. {name}={max(minimum, 1) * 8}")
+        raise PosbenchError(f"{name} must be {kind}, got {value!r}; e.g. {example or f'{name}={max(minimum, 1) * 8}'}")
     return value
 
 
