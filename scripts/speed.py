@@ -39,13 +39,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from posbench.bench.command import (
-    build_peer,
-    matmul_parameters,
-    resolve_peak_tflops,
-    time_steps,
-    train_flops_per_token,
-)
+from posbench.bench.flops import matmul_parameters, resolve_peak_tflops, train_flops_per_token
+from posbench.bench.peer import build_peer
+from posbench.bench.timing import time_steps
 from posbench.config import load_group_option
 from posbench.config.settings import COMPILE_MODES, TrainerConfig
 from posbench.core.errors import PosbenchError

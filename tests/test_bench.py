@@ -14,7 +14,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import posbench
-from posbench.bench import command as bench
+from posbench.bench import command, flops, measure, timing
+from posbench.bench import report as bench_report
+from posbench.bench.settings import settings_from_config
 from posbench.config import config_dir
 from posbench.core.errors import PosbenchError
 
@@ -45,7 +47,7 @@ def finite_positive(x) -> bool:
 def rope_alibi_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     cfg = compose_bench(*SMALL_RUN, "methods=[rope,alibi]", "peer=true", f"out='{out}'")
-    report = bench.run_bench(cfg)
+    report = command.run_bench(cfg)
     return out, report
 
 
@@ -93,7 +95,7 @@ def test_bench_peer_and_flops(rope_alibi_run):
 def test_bench_markdown(rope_alibi_run, capsys):
     out, report = rope_alibi_run
     text = (out / "bench.md").read_text()
-    assert text == bench.render_markdown(report)
+    assert text == bench_report.render_markdown(report)
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| method | attention |") and "% of rope" in rows[0]
     assert "eval tok/s @64" in rows[0] and "eval tok/s @128" in rows[0]
@@ -108,26 +110,26 @@ def test_flop_formula_counts_linear_weights():
     model = posbench.create_model("rope", flavour="tiny")
     d, L, V, h = 64, 2, 8192, model.cfg.hidden_size
     n = L * (4 * d * d + 3 * d * h) + d * V  # qkv + out, gate/up/down, LM head; no embedding
-    assert bench.matmul_parameters(model) == n
-    assert bench.train_flops_per_token(n, L, 256, d) == 6 * n + 12 * L * 256 * d
+    assert flops.matmul_parameters(model) == n
+    assert flops.train_flops_per_token(n, L, 256, d) == 6 * n + 12 * L * 256 * d
 
 
 @pytest.mark.slow
 def test_peak_table(monkeypatch):
     cpu = torch.device("cpu")
-    measured, source = bench.resolve_peak_tflops("auto", cpu)
+    measured, source = flops.resolve_peak_tflops("auto", cpu)
     assert 0 < measured < 100 and "measured CPU peak" in source and "float32" in source
-    assert "bfloat16" in bench.resolve_peak_tflops("auto", cpu, torch.bfloat16)[1]
-    assert bench.resolve_peak_tflops(None, cpu)[0] is None
-    assert bench.resolve_peak_tflops(400.0, cpu)[0] == 400.0
+    assert "bfloat16" in flops.resolve_peak_tflops("auto", cpu, torch.bfloat16)[1]
+    assert flops.resolve_peak_tflops(None, cpu)[0] is None
+    assert flops.resolve_peak_tflops(400.0, cpu)[0] == 400.0
     for name, peak in [("NVIDIA H200", 989.4), ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.5),
                        ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
-        assert bench.resolve_peak_tflops("auto", torch.device("cuda"))[0] == peak, name
+        assert flops.resolve_peak_tflops("auto", torch.device("cuda"))[0] == peak, name
 
 
 def test_default_config_composes():
-    settings, model = bench.settings_from_config(compose_bench())
+    settings, model = settings_from_config(compose_bench())
     assert settings.methods == posbench.list_methods()
     assert (settings.batch_size, settings.context, settings.warmup_steps, settings.steps) == (64, 256, 5, 30)
     assert settings.eval_lengths == [512, 1024, 2048]
@@ -144,7 +146,10 @@ def test_default_config_composes():
         ("context=-4", "context must be a positive integer"),
         ("steps=0", "steps must be a positive integer"),
         ("warmup_steps=-1", "warmup_steps must be an integer >= 0"),
-        ("eval_lengths=[512,0]", "eval_lengths entries must be a positive integer"),
+        ("eval_lengths=[512,0]", "eval_lengths entries must be a positive integer, got 0; e.g. eval_lengths=[512,1024]"),
+        ("batch_size=abc", "bench.batch_size must be an integer, got 'abc'"),
+        ("peer=maybe", "bench.peer must be true or false"),
+        ("+speed=1", "unknown option(s) bench.speed"),
         ("compile=maybe", "compile must be auto, true or false"),
         ("precision=fp16", "precision must be auto, fp32 or bf16"),
         ("peak_tflops=-3", "peak_tflops must be auto, null or a positive number"),
@@ -154,52 +159,81 @@ def test_default_config_composes():
 )
 def test_bad_input_is_a_one_line_error(override, words):
     with pytest.raises(PosbenchError) as info:
-        bench.settings_from_config(compose_bench("model=tiny", override))
+        settings_from_config(compose_bench("model=tiny", override))
     assert words in str(info.value)
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("override, field, value", [
+    ("eval_lengths=128", "eval_lengths", [128]), ("eval_lengths=null", "eval_lengths", []),
+    ("eval_lengths=[256,128,256]", "eval_lengths", [128, 256]), ("out=2024", "out", "2024"),
+    ("peak_tflops=null", "peak_tflops", None), ("peak_tflops=400", "peak_tflops", 400.0),
+    ("compile=true", "compile", "true"), ("methods=[alibi,rope,alibi]", "methods", ["alibi", "rope"]),
+])
+def test_short_forms_of_the_command_line(override, field, value):
+    """What the command line writes short stays accepted as before the settings were typed."""
+    settings, _ = settings_from_config(compose_bench("model=tiny", override))
+    assert getattr(settings, field) == value
+    assert settings_from_config(compose_bench("model=tiny", "methods=null"))[0].methods == posbench.list_methods()
+
+
 def test_unknown_method_fails_before_any_work(tmp_path):
     with pytest.raises(PosbenchError, match="unknown position method 'nosuch'"):
-        bench.run_bench(compose_bench(*SMALL_RUN, "methods=[nosuch]", f"out='{tmp_path}'"))
+        command.run_bench(compose_bench(*SMALL_RUN, "methods=[nosuch]", f"out='{tmp_path}'"))
     assert not (tmp_path / "bench.json").exists()
 
 
 def test_eval_oom_and_unsupported_lengths_are_recorded(monkeypatch):
-    settings, model_cfg = bench.settings_from_config(compose_bench(*SMALL_RUN, "eval_lengths=[64,128,256]"))
-    env = bench.Env(settings, model_cfg, None, torch.device("cpu"), None, False, None)
+    settings, model_cfg = settings_from_config(compose_bench(*SMALL_RUN, "eval_lengths=[64,128,256]"))
+    env = measure.Env(settings, model_cfg, None, torch.device("cpu"), None, False, None)
 
     def fake(env, model, length):
         if length == 128:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return {"tokens_per_second_median": 1.0}
 
-    monkeypatch.setattr(bench, "time_eval_length", fake)
-    result = bench.bench_eval(env, model=None, max_positions=200)
+    monkeypatch.setattr(measure, "time_eval_length", fake)
+    result = measure.bench_eval(env, model=None, max_positions=200)
     assert result == {"64": {"tokens_per_second_median": 1.0}, "128": "oom",
                       "256": "unsupported: positions up to 200"}
 
 
 @pytest.mark.slow
 def test_a_failing_method_keeps_the_others(tmp_path, monkeypatch):
-    real = bench.bench_method
+    real = command.bench_method
 
     def flaky(env, name):
         if name == "alibi":
             raise RuntimeError("kernel exploded")
         return real(env, name)
 
-    monkeypatch.setattr(bench, "bench_method", flaky)
+    monkeypatch.setattr(command, "bench_method", flaky)
     cfg = compose_bench("model=tiny", "steps=1", "warmup_steps=0", "eval_lengths=[32]", "eval_steps=1",
                         "batch_size=2", "context=16", "methods=[alibi,nope]", "peer=false", f"out='{tmp_path}'")
     with pytest.raises(PosbenchError, match="alibi .*kernel exploded"):
-        bench.run_bench(cfg)
+        command.run_bench(cfg)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["methods"]["alibi"]["train"]["error"] == "RuntimeError: kernel exploded"
     assert finite_positive(saved["methods"]["nope"]["train"]["tokens_per_second_median"])
     assert saved["peer"] is None and saved["peer_ratio"] is None
     md = (tmp_path / "bench.md").read_text()
     assert "| alibi | sdpa | RuntimeError |" in md and "| nope |" in md and "peer=false" in md
+
+
+def test_bench_compiles_as_the_trainer(tmp_path, monkeypatch):
+    """The model and the peer go through the trainer's compile_model, in the trainer's compile mode."""
+    seen = []
+
+    def fake_compile(model, mode, cache_dir=None):
+        seen.append((type(model).__name__, mode, cache_dir))
+        return model
+
+    monkeypatch.setattr(measure, "compile_model", fake_compile)
+    cfg = compose_bench("model=tiny", "steps=1", "warmup_steps=0", "eval_lengths=[]", "batch_size=2", "context=16",
+                        "methods=[rope]", "peer=true", "compile=true", "peak_tflops=1", f"out='{tmp_path}'")
+    report = command.run_bench(cfg)
+    assert report["compiled"] is True and "skipped" not in report["peer"], report["peer"]
+    assert seen == [("Transformer", "default", None), ("LlamaForCausalLM", "default", None)]
 
 
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -257,7 +291,7 @@ def test_cuda_event_timing_bookkeeping(monkeypatch):
         clock["ms"] += 10.0 * i  # step i takes 10*i "GPU" milliseconds
         return i
 
-    ms, wall, last = bench.time_steps(step, 3, torch.device("cuda", 0), offset=3)
+    ms, wall, last = timing.time_steps(step, 3, torch.device("cuda", 0), offset=3)
     assert seen == [3, 4, 5] and last == 5
     assert ms == [30.0, 40.0, 50.0]
     assert len(syncs) == 2 and wall >= 0
@@ -270,7 +304,7 @@ def test_bench_on_cuda(tmp_path):
     cfg = compose_bench("model=tiny", "methods=[rope,alibi]", "steps=3", "warmup_steps=2", "eval_lengths=[256,512]",
                         "eval_steps=2", "batch_size=8", "context=128", "peer=true", "peak_tflops=100",
                         f"out='{tmp_path}'")
-    report = bench.run_bench(cfg)
+    report = command.run_bench(cfg)
     assert report["device_type"] == "cuda" and report["compiled"] and report["autocast"] == "bfloat16"
     assert report["methods"]["alibi"]["train"]["attention_backend"] == "flex"
     for entry in report["methods"].values():
@@ -296,16 +330,16 @@ def test_cli_out_naming_a_file_is_one_line(tmp_path):
 
 
 def test_contention_flags_a_wide_spread_or_a_load_above_the_cores():
-    clean = bench.contention([10.0, 10.2, 10.1, 10.4, 10.3], 0.5, 0.7, cores=4)
+    clean = timing.contention([10.0, 10.2, 10.1, 10.4, 10.3], 0.5, 0.7, cores=4)
     assert clean["contended"] is False and clean["contention"] is None
     assert clean["ms_p50"] == pytest.approx(10.2) and clean["ms_p10"] < clean["ms_p50"] < clean["ms_p90"]
     assert clean["load_average_before"] == 0.5 and clean["cpu_cores"] == 4
-    wide = bench.contention([10.0, 10.0, 30.0, 31.0, 10.0], 0.5, 0.7, cores=4)
+    wide = timing.contention([10.0, 10.0, 30.0, 31.0, 10.0], 0.5, 0.7, cores=4)
     assert wide["contended"] and wide["contention"].startswith("step-time spread p90/p10 ")
     assert wide["spread_p90_p10"] == pytest.approx(wide["ms_p90"] / wide["ms_p10"])
-    busy = bench.contention([10.0, 10.2, 10.1], 3.0, 14.2, cores=4)
+    busy = timing.contention([10.0, 10.2, 10.1], 3.0, 14.2, cores=4)
     assert busy["contended"] and busy["contention"] == "load average 14.2 > 4 cores"
-    assert bench.contention([10.0, 10.1], None, None, cores=4)["contended"] is False  # no load average known
+    assert timing.contention([10.0, 10.1], None, None, cores=4)["contended"] is False  # no load average known
 
 
 def test_bench_records_the_load_and_the_spread(rope_alibi_run):
@@ -314,7 +348,7 @@ def test_bench_records_the_load_and_the_spread(rope_alibi_run):
     _, report = rope_alibi_run
     assert report["load_average"]["cpu_cores"] == os.cpu_count()
     assert report["load_average"]["end"] is not None and report["load_average"]["start"] is not None
-    assert report["load_average"]["contended_spread"] == bench.CONTENDED_SPREAD
+    assert report["load_average"]["contended_spread"] == timing.CONTENDED_SPREAD
     assert len(report["flops"]["peak_load_average"]) == 2 and isinstance(report["flops"]["peak_contended"], bool)
     for block in [report["methods"]["rope"]["train"], report["methods"]["rope"]["eval"]["64"], report["peer"]["train"]]:
         load = block["load"]
@@ -334,18 +368,18 @@ def test_markdown_marks_contended_numbers(rope_alibi_run):
     blocks = [report["methods"][m]["train"] for m in ("rope", "alibi")] + [report["peer"]["train"]]
     blocks += [ev for m in ("rope", "alibi") for ev in report["methods"][m]["eval"].values()]
     for block in blocks:
-        block["load"] = bench.contention([10.0, 10.1, 10.2], 0.1, 0.2, cores=4)
-    clean = bench.render_markdown(report)
+        block["load"] = timing.contention([10.0, 10.1, 10.2], 0.1, 0.2, cores=4)
+    clean = bench_report.render_markdown(report)
     assert "contended" not in clean and "*" not in clean.split("| method |")[1].split("peer:")[0]
     assert "load average 0.1 at the start, 0.2 at the end, on 4 cores" in clean
-    report["methods"]["alibi"]["train"]["load"] = bench.contention([10.0, 10.0, 30.0, 31.0], 0.1, 9.5, cores=4)
-    text = bench.render_markdown(report)
+    report["methods"]["alibi"]["train"]["load"] = timing.contention([10.0, 10.0, 30.0, 31.0], 0.1, 9.5, cores=4)
+    text = bench_report.render_markdown(report)
     assert "**contended: 1 of 7 timed blocks ran on a busy machine" in text
     rows = {r.split("|")[1].strip(): r for r in text.splitlines() if r.startswith("| ")}
     assert "* |" not in rows["rope"] and rows["rope"].endswith("| - | " + " | ".join(
-        bench._cell_eval(report["methods"]["rope"]["eval"][str(n)]) for n in (64, 128)) + " |")
+        bench_report._cell_eval(report["methods"]["rope"]["eval"][str(n)]) for n in (64, 128)) + " |")
     spread = report["methods"]["alibi"]["train"]["load"]["spread_p90_p10"]
     assert "%* |" in rows["alibi"] and f"| spread {spread:.2f}, load 9.5 |" in rows["alibi"]
     assert "(* contended" not in text  # rope and the peer, the ratio's two numbers, are clean
     report["methods"]["rope"]["train"]["load"] = report["methods"]["alibi"]["train"]["load"]
-    assert "(* contended: not a clean measurement)" in bench.render_markdown(report)
+    assert "(* contended: not a clean measurement)" in bench_report.render_markdown(report)

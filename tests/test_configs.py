@@ -107,7 +107,7 @@ def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
 @pytest.mark.parametrize("command", ["bench", "viz"])
 def test_command_defaults_live_once(command):
     """The settings a command falls back to without its YAML are the YAML's."""
-    from posbench.bench.command import settings_from_config as bench_settings
+    from posbench.bench.settings import settings_from_config as bench_settings
     from posbench.viz.command import settings_from_config as viz_settings
 
     if command == "bench":

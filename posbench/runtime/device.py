@@ -40,6 +40,21 @@ def resolve_device(name: str, dist_info: DistInfo | None = None) -> torch.device
     return torch.device(name)
 
 
+def setup_device(name: str, precision: str, dist_info: DistInfo | None = None) -> torch.device:
+    """The device a run computes on (:func:`resolve_device`), set up as ``posbench train`` and
+    ``posbench bench`` both use it: on CUDA the device with its index made current, and TF32
+    matmuls on unless ``precision`` is ``fp32`` (fp32 means fp32)."""
+    device = resolve_device(name, dist_info)
+    if device.type == "cuda":
+        if device.index is None:  # torch.cuda.set_device refuses a device without an index
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        if precision != "fp32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype of ``trainer.precision`` on ``device`` (None: plain fp32).
 
@@ -90,4 +105,5 @@ def as_posbench_error(err: BaseException) -> BaseException:
     return err
 
 
-__all__ = ["as_posbench_error", "autocast", "autocast_dtype", "precision_name", "seed_everything", "resolve_device", "sweep_job_number"]
+__all__ = ["as_posbench_error", "autocast", "autocast_dtype", "precision_name", "seed_everything", "resolve_device",
+           "setup_device", "sweep_job_number"]

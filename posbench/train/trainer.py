@@ -46,7 +46,7 @@ from posbench.runs.resume import check_resumable, load_resume_state, resolve_run
 from posbench.runs.rundir import RunDir, RunLocked
 from posbench.runs.runlog import HydraRecord, continue_hint
 from posbench.runs.spec import MethodSpec, build_spec, check_memory_fits
-from posbench.runtime.device import as_posbench_error, autocast_dtype, resolve_device, seed_everything
+from posbench.runtime.device import as_posbench_error, autocast_dtype, resolve_device, seed_everything, setup_device
 from posbench.runtime.distributed import (
     DistInfo,
     any_rank,
@@ -217,15 +217,9 @@ class Trainer:
         t = self.t
         device = resolve_device(t.device)
         dist_info = init_distributed(device.type)
-        device = resolve_device(t.device, dist_info)
-        if device.type == "cuda":
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(device)
-            if t.precision != "fp32":  # fp32 means fp32: no TF32 matmuls then
-                torch.backends.cuda.matmul.allow_tf32 = True
-                torch.backends.cudnn.allow_tf32 = True
-        elif dist_info.is_main and self.cfg.model.get("flavour") not in ("tiny", "mini") and t.max_steps is None:
+        device = setup_device(t.device, t.precision, dist_info)
+        quick = self.cfg.model.get("flavour") in ("tiny", "mini") or t.max_steps is not None
+        if device.type != "cuda" and dist_info.is_main and not quick:
             self.log("warning: training on the CPU; the full setup takes very long there. "
                      "For a quick CPU run use experiment=cpu_quick")
         return device, dist_info
