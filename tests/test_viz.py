@@ -4,6 +4,7 @@ command end to end (method=<name> without training, run=<tiny trained run>, a sw
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,33 @@ def test_viz_is_a_listed_command_and_errors_are_one_line(tmp_path):
         run_viz(compose_config("viz", ["method=rope", f"run={tmp_path}"]))
     with pytest.raises(PosbenchError, match="unsupported figure format"):
         run_viz(compose_config("viz", ["method=rope", "formats=[jpg]"]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+attention.foo=1", "unknown option(s) attention.foo"),
+    ("+decay.base=1", "unknown option(s) decay.base"),
+    ("context=abc", "viz.context must be an integer, got 'abc'"),
+    ("span=0", "viz span must be a positive integer, got 0"),
+    ("attention.length_factor=0", "viz attention.length_factor must be a positive integer, got 0"),
+    ("attention.num_sequences=two", "attention.num_sequences must be an integer"),
+    ("attention.layers=[last]", "attention.layers must be layer numbers"),
+    ("decay.bases=[abc]", "decay.bases must be positive numbers"),
+    ("attention=null", "viz.attention cannot be null"),
+])
+def test_bad_viz_settings_are_one_line_before_any_figure(override, message, tmp_path):
+    """The settings are built by the config's from_section: every section's key is typed and checked."""
+    with pytest.raises(PosbenchError, match=re.escape(message)):
+        run_viz(compose_config("viz", ["method=rope", "model=tiny", f"out={tmp_path}", override]))
+    assert not any(tmp_path.iterdir())
+
+
+def test_viz_settings_mirror_the_yaml():
+    from posbench.viz.settings import AttentionSettings, DecaySettings, settings_from_config
+
+    s = settings_from_config(compose_config("viz", ["attention.layers=[1]", "decay.bases=[5000]", "formats=[svg,png]"]))
+    assert s.attention == AttentionSettings(layers=[1]) and s.decay == DecaySettings(bases=[5000.0])
+    assert isinstance(s.decay.bases[0], float) and s.formats == ["svg", "png"]
+    assert s.in_context(32).context == 32 and s.context == 256
 
 
 @pytest.fixture(scope="module")

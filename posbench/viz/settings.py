@@ -40,7 +40,8 @@ class AttentionSettings:
 
     def validate(self) -> None:
         _positive_integers("attention.", self, "length_factor", "num_sequences")
-        self.layers = [int(layer) for layer in self.layers]
+        if any(isinstance(layer, bool) or not isinstance(layer, int) for layer in self.layers):
+            raise PosbenchError(f"attention.layers must be layer numbers (negative: from the end), got {self.layers}")
 
 
 @dataclass
