@@ -14,7 +14,9 @@ from posbench.bench import command as bench
 from posbench.evaluation.loss import per_position_loss
 from posbench.methods import ModelDims, PositionMethod, Rotary, register, unregister
 from posbench.model.extension import EXTENSIONS, applies_text, extended, resolve_extensions
-from posbench.viz.command import VizSettings, decay_rules, viz_method
+from posbench.viz.draw import decay_curves, viz_method
+from posbench.viz.measures import decay_rules
+from posbench.viz.settings import DecaySettings, VizSettings
 
 NAME = "test_spin"
 
@@ -81,9 +83,8 @@ def test_a_new_method_is_drawn_with_its_extensions(spin, tmp_path):
     cfg = OmegaConf.create({"method": {"name": NAME}, "model": {"flavour": "tiny", "d_model": 64, "n_layers": 2,
                                                                 "n_heads": 4}, "out": str(tmp_path)})
     assert "yarn" in decay_rules(Spin(ModelDims(64, 4, 2)))
-    written = viz_method(cfg, VizSettings(context=16, span=2, rules=("yarn",)).validate(), lambda _: None)
+    written = viz_method(cfg, VizSettings(context=16, span=2, decay=DecaySettings(rules=["yarn"])).validate(), lambda _: None)
     assert tmp_path / "qk_decay.png" in written
-    from posbench.viz.command import _decay_curves
-
-    curves = _decay_curves(Spin(ModelDims(64, 4, 2)), ModelDims(64, 4, 2), NAME, {}, VizSettings(context=16, span=2, rules=("yarn",)))
+    curves = decay_curves(Spin(ModelDims(64, 4, 2)), ModelDims(64, 4, 2), NAME, {},
+                          VizSettings(context=16, span=2, decay=DecaySettings(rules=["yarn"])))
     assert "yarn (base=500, to 32)" in curves and not (curves["yarn (base=500, to 32)"] == curves[f"{NAME} base=500 (this model)"]).all()

@@ -108,7 +108,7 @@ def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
 def test_command_defaults_live_once(command):
     """The settings a command falls back to without its YAML are the YAML's."""
     from posbench.bench.settings import settings_from_config as bench_settings
-    from posbench.viz.command import settings_from_config as viz_settings
+    from posbench.viz.settings import settings_from_config as viz_settings
 
     if command == "bench":
         from_yaml, _ = bench_settings(compose_config("bench", []))
@@ -117,7 +117,7 @@ def test_command_defaults_live_once(command):
     else:
         from_yaml = viz_settings(compose_config("viz", []))
         from_code = viz_settings(OmegaConf.create({}))
-        from posbench.viz.command import VizSettings
+        from posbench.viz.settings import VizSettings
 
         assert from_code == VizSettings()
     assert from_yaml == from_code

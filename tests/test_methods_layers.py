@@ -250,7 +250,8 @@ def test_viz_draws_a_schedule_layer_by_layer(tmp_path):
     distinct layer (NoPE's flat line, RoPE's decay)."""
     from conftest import compose_config
 
-    from posbench.viz.command import is_content_dependent, qk_decay, run_viz
+    from posbench.viz.command import run_viz
+    from posbench.viz.measures import is_content_dependent, qk_decay
 
     dims = ModelDims(64, 4, 2)
     assert is_content_dependent(build_method("layers", dims, pattern=["t5", "fox"]), dims)

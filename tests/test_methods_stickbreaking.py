@@ -17,7 +17,7 @@ from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
 from posbench.model.attention import attend, resolve_backend
 from posbench.model.extension import extended
-from posbench.viz.command import recording_attention
+from posbench.viz.attention import recording_attention
 
 VOCAB = 96
 C = 256  # the training context the length checks are stated against (4 x C = 1024)

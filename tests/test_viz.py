@@ -4,6 +4,7 @@ command end to end (method=<name> without training, run=<tiny trained run>, a sw
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,14 +18,14 @@ from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
 from posbench.model.transformer import ModelConfig, build_model
 from posbench.train.loggers import wandb_run_id
-from posbench.viz.command import (
+from posbench.viz.attention import record_attention, recording_attention
+from posbench.viz.command import run_viz
+from posbench.viz.measures import (
     attention_entropy,
     cosine_similarity_matrix,
     mean_attended_distance,
     mean_by_distance,
     qk_decay,
-    record_attention,
-    run_viz,
     score_curves,
 )
 
@@ -103,9 +104,7 @@ def test_recorded_attention_is_the_model_itself(method):
     tokens = torch.randint(0, 50, (2, 24))
     with torch.no_grad():
         expected = model(tokens[:1])
-    import posbench.viz.command as viz
-
-    with torch.no_grad(), viz.recording_attention(2, [1]) as record:
+    with torch.no_grad(), recording_attention(2, [1]) as record:
         got = model(tokens[:1])
     assert torch.allclose(got, expected, atol=1e-5)
     assert len(record.layers) == 2 and record.layers[0].maps is None
@@ -120,17 +119,47 @@ def test_recorded_attention_is_the_model_itself(method):
         assert torch.allclose(torch.from_numpy(merged.layers[0].score), expected_score, atol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["alibi", "rope"])
+def test_recorded_attention_is_the_models_eager_attention(method, monkeypatch):
+    """viz records the probabilities of the model's own eager backend, not a copy of it: for a
+    method with a score term (alibi) and a rotary one (rope), every layer's recorded map equals,
+    bit for bit, what the eager model computes, and the recorded forward is the eager forward."""
+    import posbench.model.attention as attention
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, attention="eager"), method).eval()
+    tokens = torch.randint(0, 50, (1, 24))
+    eager, original = [], attention.eager_probabilities
+
+    def kept(*args, **kwargs):
+        eager.append(original(*args, **kwargs))
+        return eager[-1]
+
+    monkeypatch.setattr(attention, "eager_probabilities", kept)  # the backend's own calls, not viz's
+    with torch.no_grad():
+        expected = model(tokens)
+        with recording_attention(2, [0, 1]) as record:
+            got = model(tokens)
+    assert len(eager) == 2 and eager[0].shape == (1, 4, 24, 24)
+    assert torch.equal(got, expected)
+    for layer, probs in enumerate(eager):
+        assert torch.equal(torch.from_numpy(record.layers[layer].maps), probs[0])
+    assert not torch.allclose(eager[0][0, :, -1], causal_uniform(24)[-1])  # position-dependent, not uniform
+
+
 def test_decay_rules_come_from_the_config_and_the_extensions():
     """decay.rules names evaluation-time extensions; linear at span 2 (factor L / C = 2) halves
     the positions, so its curve at distance 10 is the method's own at 5."""
-    from posbench.viz.command import VizSettings, _decay_curves, decay_rules, settings_from_config
+    from posbench.viz.draw import decay_curves
+    from posbench.viz.measures import decay_rules
+    from posbench.viz.settings import VizSettings, settings_from_config
 
     cfg = compose_config("viz", ["method=rope", "model=tiny", "context=16", "span=2", "decay.rules=[linear,window]"])
     settings = settings_from_config(cfg)
-    assert isinstance(settings, VizSettings) and settings.rules == ("linear", "window")
+    assert isinstance(settings, VizSettings) and settings.decay.rules == ["linear", "window"]
     rope = build_method("rope", ModelDims(64, 4, 2))
     assert "linear" in decay_rules(rope) and "ntk" in decay_rules(rope)
-    curves = _decay_curves(rope, ModelDims(64, 4, 2), "rope", {}, settings)
+    curves = decay_curves(rope, ModelDims(64, 4, 2), "rope", {}, settings)
     rule = curves["linear (base=10000, to 32)"]
     own = curves["rope base=10000 (this model)"]
     assert rule[10] == pytest.approx(own[5], abs=1e-5)
@@ -193,6 +222,33 @@ def test_viz_is_a_listed_command_and_errors_are_one_line(tmp_path):
         run_viz(compose_config("viz", ["method=rope", f"run={tmp_path}"]))
     with pytest.raises(PosbenchError, match="unsupported figure format"):
         run_viz(compose_config("viz", ["method=rope", "formats=[jpg]"]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+attention.foo=1", "unknown option(s) attention.foo"),
+    ("+decay.base=1", "unknown option(s) decay.base"),
+    ("context=abc", "viz.context must be an integer, got 'abc'"),
+    ("span=0", "viz span must be a positive integer, got 0"),
+    ("attention.length_factor=0", "viz attention.length_factor must be a positive integer, got 0"),
+    ("attention.num_sequences=two", "attention.num_sequences must be an integer"),
+    ("attention.layers=[last]", "attention.layers must be layer numbers"),
+    ("decay.bases=[abc]", "decay.bases must be positive numbers"),
+    ("attention=null", "viz.attention cannot be null"),
+])
+def test_bad_viz_settings_are_one_line_before_any_figure(override, message, tmp_path):
+    """The settings are built by the config's from_section: every section's key is typed and checked."""
+    with pytest.raises(PosbenchError, match=re.escape(message)):
+        run_viz(compose_config("viz", ["method=rope", "model=tiny", f"out={tmp_path}", override]))
+    assert not any(tmp_path.iterdir())
+
+
+def test_viz_settings_mirror_the_yaml():
+    from posbench.viz.settings import AttentionSettings, DecaySettings, settings_from_config
+
+    s = settings_from_config(compose_config("viz", ["attention.layers=[1]", "decay.bases=[5000]", "formats=[svg,png]"]))
+    assert s.attention == AttentionSettings(layers=[1]) and s.decay == DecaySettings(bases=[5000.0])
+    assert isinstance(s.decay.bases[0], float) and s.formats == ["svg", "png"]
+    assert s.in_context(32).context == 32 and s.context == 256
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +329,7 @@ def test_sweep_callback_adds_the_viz_pictures(trained_sweep):
 def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypatch):
     """Rope's q.k decay comes from its definition, so naming the run's step
     (``rope, step 400``) misleads; a method with trained q/k parameters keeps the step."""
-    import posbench.viz.command as viz
+    import posbench.viz.draw as viz
     from posbench.train.trainer import train
 
     titles = []
@@ -295,7 +351,8 @@ def test_viz_of_a_task_run_draws_attention_on_its_task_sequences(tmp_path, monke
     from posbench.runs.load import load_run
     from posbench.tasks.base import VALID, make_task
     from posbench.train.trainer import train
-    from posbench.viz import command as viz
+    from posbench.viz import attention as viz
+    from posbench.viz.settings import AttentionSettings
 
     run_dir = tmp_path / "flipflop-rope-s0"
     train(compose_config("train", [*QUICK_TRAIN, "task=flipflop", "method=rope"]), run_dir, log=lambda _: None)
@@ -305,8 +362,8 @@ def test_viz_of_a_task_run_draws_attention_on_its_task_sequences(tmp_path, monke
 
     monkeypatch.setattr(viz, "run_data", no_text)
     run = load_run(run_dir)
-    settings = viz.VizSettings(num_sequences=2, context=32)
-    tokens, where = viz._held_out_windows(run, 64, settings, log=lambda _: None)
+    settings = AttentionSettings(num_sequences=2)
+    tokens, where = viz.held_out_windows(run, 64, settings, log=lambda _: None)
     expected, _ = make_task(run.config.task, 32).sequences(VALID, 64, 2).inputs_targets()
     assert torch.equal(tokens, expected) and tokens.shape == (2, 64)
     assert where == "2 held-out flipflop sequences (validation) of 64 tokens"
@@ -314,4 +371,4 @@ def test_viz_of_a_task_run_draws_attention_on_its_task_sequences(tmp_path, monke
                       log=lambda _: None)
     assert {p.stem for p in written} >= {"attention_maps_layer0", "attention_entropy_distance"}
     with pytest.raises(PosbenchError, match="attention.split=train is not held out"):
-        viz._held_out_windows(run, 64, viz.VizSettings(split="train"), log=lambda _: None)
+        viz.held_out_windows(run, 64, AttentionSettings(split="train"), log=lambda _: None)

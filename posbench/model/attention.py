@@ -1,9 +1,9 @@
 """Causal attention backends that all consume the same position-method description.
 
 - ``eager``: explicit fp32 softmax; the reference every other path is tested against. The only
-  backend that holds the attention probabilities, so the only one that adds a value term or
-  runs a method's own normaliser in place of the softmax (``PositionMethod.normalizer``:
-  stick-breaking).
+  backend that holds the attention probabilities (:func:`eager_probabilities`, which ``posbench
+  viz`` records), so the only one that adds a value term or runs a method's own normaliser in
+  place of the softmax (``PositionMethod.normalizer``: stick-breaking).
 - ``sdpa``: ``F.scaled_dot_product_attention``; ``is_causal=True`` (flash / cuDNN kernels) when
   the method has no score term and no window, otherwise the score term and mask materialised as
   an additive mask.
@@ -99,22 +99,36 @@ def add_value_term(out: Tensor, probs: Tensor, value: ValueTerm) -> Tensor:
     return out + torch.einsum("bhin,nd->bhid", mass, value.table.to(probs.dtype))
 
 
-def eager_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
-                    window: int | None = None, value: ValueTerm | None = None,
-                    normalize: Normalizer | None = None, scale: float | None = None) -> Tensor:
-    """Reference: softmax(q k^T / sqrt(D) + score) v in fp32, also under autocast. (B, H, T, D).
-    ``normalize`` replaces the softmax over the masked logits (None: the softmax)."""
+def eager_probabilities(q: Tensor, k: Tensor, score: ScoreFn | None, window: int | None = None,
+                        normalize: Normalizer | None = None, scale: float | None = None) -> Tensor:
+    """The eager backend's attention probabilities: softmax(q k^T / sqrt(D) + score) over the
+    visible keys, in fp32 (also under autocast). ``normalize`` replaces the softmax over the
+    masked logits (None: the softmax). (B, H, T, D) -> (B, H, T, T)."""
     B, H, T, D = q.shape
     with torch.autocast(q.device.type, enabled=False):
         logits = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * (D**-0.5 if scale is None else scale)
         if score is not None:
             logits = logits + dense_score(score, B, H, T, q.device).float()
         logits = logits.masked_fill(~causal_mask(T, q.device, window), float("-inf"))
-        probs = logits.softmax(dim=-1) if normalize is None else normalize(logits)  # (B, H, T, T)
+        return logits.softmax(dim=-1) if normalize is None else normalize(logits)  # (B, H, T, T)
+
+
+def eager_output(probs: Tensor, v: Tensor, value: ValueTerm | None = None) -> Tensor:
+    """The eager backend's output from its probabilities (B, H, T, T): p v in fp32, plus the
+    value term, in v's dtype. -> (B, H, T, D of v)."""
+    with torch.autocast(probs.device.type, enabled=False):
         out = torch.einsum("bhij,bhjd->bhid", probs, v.float())
         if value is not None:
             out = add_value_term(out, probs, value)
         return out.to(v.dtype)
+
+
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
+                    window: int | None = None, value: ValueTerm | None = None,
+                    normalize: Normalizer | None = None, scale: float | None = None) -> Tensor:
+    """Reference: softmax(q k^T / sqrt(D) + score) v in fp32, also under autocast. (B, H, T, D).
+    ``normalize`` replaces the softmax over the masked logits (None: the softmax)."""
+    return eager_output(eager_probabilities(q, k, score, window, normalize, scale), v, value)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
