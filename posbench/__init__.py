@@ -5,6 +5,10 @@ Python API (see README):
     posbench.list_methods()                      -> ["nope", "learned", ...]
     posbench.create_model("rope", flavour="tiny")  -> nn.Module, ids (B, T) -> logits (B, T, V)
     posbench.load_run("outputs/.../run")         -> Run(model, config, results)
+
+and, imported on first use, the pieces a notebook needs to measure a run itself:
+``Transformer``, ``ModelConfig``, ``Run``, ``PreparedData``, ``eval_sequences``,
+``per_position_loss``, ``band_means`` (docs/api.md).
 """
 
 from __future__ import annotations
@@ -56,4 +60,24 @@ def load_run(run_dir: str, device: str = "cpu"):
     return _load(run_dir, device=device)
 
 
-__all__ = ["__version__", "create_model", "list_methods", "load_run"]
+# name -> the module that defines it; imported on first access so `import posbench` stays light.
+_LAZY = {
+    "Transformer": "posbench.model.transformer",
+    "ModelConfig": "posbench.model.transformer",
+    "Run": "posbench.runs.load",
+    "PreparedData": "posbench.data",
+    "eval_sequences": "posbench.data.loader",
+    "per_position_loss": "posbench.evaluation.loss",
+    "band_means": "posbench.evaluation.loss",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'posbench' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "create_model", "list_methods", "load_run", *_LAZY]
