@@ -47,12 +47,12 @@ from posbench.bench.command import (
     train_flops_per_token,
 )
 from posbench.config import load_group_option
-from posbench.config.settings import COMPILE_MODES, TrainerConfig
 from posbench.core.errors import PosbenchError
 from posbench.methods import method_class
 from posbench.model.transformer import ModelConfig, build_model
 from posbench.runtime.device import autocast_dtype
 from posbench.train.optim import TrainStep, check_compile_mode, compile_model
+from posbench.train.settings import COMPILE_MODES, TrainerConfig
 
 PEER = "llama_peer"
 

@@ -73,8 +73,8 @@ def test_launchers_compose(launcher):
 
 
 @pytest.mark.parametrize("group, option, cls_path, own", [
-    ("trainer", "default", "posbench.config.settings.TrainerConfig", ()),
-    ("eval", "default", "posbench.config.settings.EvalConfig", ()),
+    ("trainer", "default", "posbench.train.settings.TrainerConfig", ()),
+    ("eval", "default", "posbench.evaluation.settings.EvalConfig", ()),
     ("model", "small", "posbench.model.transformer.ModelConfig", ()),  # the dataclass defaults are the small flavour
     *(("data", n, "posbench.data.DataConfig", ("source",)) for n in config_names("data")),
 ])

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from posbench.config.settings import ReRoPEConfig
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import per_position_loss
+from posbench.evaluation.settings import ReRoPEConfig
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary
 from posbench.model.extension import (
@@ -314,7 +314,8 @@ def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
 
 
 def test_eval_config_takes_a_name_a_list_or_all_and_refuses_unknown_names():
-    from posbench.config.settings import EvalConfig, from_section
+    from posbench.config.settings import from_section
+    from posbench.evaluation.settings import EvalConfig
 
     assert from_section(EvalConfig, "eval", {"extension": "all"}).extension == ["all"]
     assert from_section(EvalConfig, "eval", {"extension": ["none", "yarn"]}).extension == ["none", "yarn"]

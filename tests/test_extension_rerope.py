@@ -13,9 +13,10 @@ import torch
 from conftest import assert_causal_model, assert_matches_reference
 
 import posbench
-from posbench.config.settings import EvalConfig, ReRoPEConfig, SelfExtendConfig, from_section
+from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import evaluate_model, per_position_loss
+from posbench.evaluation.settings import EvalConfig, ReRoPEConfig, SelfExtendConfig
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary, dense_score
 from posbench.model.extension import (

@@ -91,7 +91,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 import posbench
-from posbench.config.settings import TrainerConfig, from_section
+from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError, one_line
 from posbench.core.io import write_json_atomic, write_text_atomic
 from posbench.evaluation.loss import per_position_loss
@@ -101,6 +101,7 @@ from posbench.runs.spec import MethodSpec
 from posbench.runtime.device import autocast, autocast_dtype, resolve_device
 from posbench.runtime.hardware import cpu_matmul_peak_tflops
 from posbench.train.optim import TrainStep
+from posbench.train.settings import TrainerConfig
 
 logger = logging.getLogger("posbench")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -9,12 +10,13 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.config.settings import EvalConfig, from_section
+from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, tokenize_with
 from posbench.evaluation.loss import evaluate_model
 from posbench.evaluation.probes.copy import merge_probe_entries, run_probes
 from posbench.evaluation.probes.passkey import run_passkey
+from posbench.evaluation.settings import EvalConfig
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.report.plot import write_run_figures
 from posbench.runs.load import Run, load_run, run_data
@@ -160,5 +162,6 @@ def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.dev
     """``posbench eval``'s probes (eval.probes) on ``run``'s model, under its eval.extension."""
     if not evaluation.probes:
         return []
-    evaluation.extension = resolve_extensions(evaluation.extension, run.model.position, log=lambda _: None)
+    evaluation = dataclasses.replace(evaluation, extension=resolve_extensions(evaluation.extension, run.model.position,
+                                                                  log=lambda _: None))
     return run_probes(run.model, prepared, evaluation, int(run.config.trainer.context), device, amp_dtype, log)
