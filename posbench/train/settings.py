@@ -86,7 +86,7 @@ class TrainerConfig:
     during training. 0 disables it."""
     checkpoint_every_steps: int = 1000
     """Save a checkpoint every N steps (0 = only by time, signal and at the end)."""
-    checkpoint_every_minutes: float = 30.0
+    checkpoint_every_minutes: float = 30
     """Also save when this many minutes passed since the last checkpoint (0 = off)."""
     keep_checkpoints: int = 2
     """How many step checkpoints to keep (oldest deleted first)."""
@@ -98,7 +98,7 @@ class TrainerConfig:
     """Testing aid: behave as if preempted (checkpoint, exit non-zero) after this global step."""
     progress: bool = True
     """Show a progress bar (on a terminal) with loss, tokens/s and ETA."""
-    progress_every_seconds: float = 30.0
+    progress_every_seconds: float = 30
     """Off a terminal (a log file, a batch job): a progress line with loss, tokens/s, steps/s
     and ETA every this many seconds (0 = a line every 5 % of the steps instead)."""
 
