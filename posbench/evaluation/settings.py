@@ -96,7 +96,8 @@ class PasskeyConfig:
     """The passkey evaluation (eval.passkey.*; posbench/evaluation/probes/passkey.py, docs/retrieval.md)."""
 
     lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
-    """Window lengths L; the question and its answer end the window."""
+    """Window lengths L of the passkey evaluation (``eval.probes=[passkey]``, docs/retrieval.md);
+    the question and its answer end the window."""
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """Where the key sentence starts, as a fraction of the room before the question (0: the
     window's start, farthest from the question; 1: right before it)."""
@@ -126,8 +127,9 @@ class EvalConfig:
     """How a trained model is evaluated past its training context."""
 
     lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
-    """Evaluation sequence lengths; each gets a per-position loss curve. 512 holds the
-    headline 256-512 band; 1024 and 2048 the bands of longer extrapolation."""
+    """Evaluation sequence lengths, each >= trainer.context, one >= 2 x trainer.context in
+    training (the headline band); each gets a per-position loss curve. 512 holds the headline
+    256-512 band; 1024 and 2048 the bands of longer extrapolation."""
     split: str = "validation"
     """validation (held-out, default), test (the text of local files named *test*, never trained
     on) or train (the seed article's measurement, on training text)."""
@@ -140,14 +142,14 @@ class EvalConfig:
     """Stride S of the like-for-like (windowed) pass: targets past the training context C are
     scored again by windows of C tokens, each scoring its last S positions, so every target sees
     C - S + 1 .. C tokens. Smaller S = closer to exactly C tokens of context, but (L - C) / S
-    windows per sequence to run. Capped at C."""
+    windows per sequence to run. Capped at C (docs/protocol.md)."""
     effective_length_eps: float = 0.05
     """Tolerance in nats of the effective length: the first position past the context where the
     smoothed loss exceeds its 0-C level (or the windowed curve) by more than this."""
     extension: list[str] = field(default_factory=lambda: ["none"])
     """Context extensions evaluated at every length, each its own results.json entry: none (the
     plain model), linear, ntk, dynamic_ntk, yarn, llama3, log_scaling, window, rerope,
-    self_extend, or all (every one that applies to the method). See posbench/model/extension.py."""
+    self_extend, or all (every one that applies to the method); docs/context-extension.md."""
     extension_factor: float | None = None
     """Scaling factor of the extensions; None = L / C at each evaluated length L (dynamic_ntk:
     transformers' factor, default 1)."""
