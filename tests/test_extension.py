@@ -11,7 +11,7 @@ from torch import nn
 
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import per_position_loss
-from posbench.evaluation.settings import ReRoPEConfig
+from posbench.evaluation.settings import EvalConfig, ReRoPEConfig
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary
 from posbench.model.extension import (
@@ -363,8 +363,8 @@ def test_extension_cost_is_measured_against_the_plain_model_inside_the_context_t
 
     model = _tiny("rope")
     tokens = torch.randint(0, 64, (4 * (2 * C + 1),))
-    plain, linear = evaluate_model(model, tokens, [2 * C], 4, 2, C, "cpu", log=lambda _: None,
-                                   extensions=["none", "linear"])
+    evaluation = EvalConfig(lengths=[2 * C], num_sequences=4, batch_size=2, extension=["none", "linear"])
+    plain, linear = evaluate_model(model, tokens, evaluation, C, "cpu", log=lambda _: None)
     inner = f"0-{C}"
     assert plain["cost"]["bands"][inner] == 0
     assert linear["cost"]["bands"][inner] == pytest.approx(linear["bands"][inner] - plain["bands"][inner])

@@ -107,13 +107,8 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     amp_dtype = autocast_dtype(eval_precision(cfg, run), device)
     precision = precision_name(amp_dtype)  # what it resolved to here (auto -> bf16 or fp32)
     entries = [] if probes_only else evaluate_model(
-        run.model, prepared.tokens(evaluation.split), evaluation.lengths, evaluation.num_sequences,
-        evaluation.batch_size, train_context, device, split=evaluation.split, log=log,
-        autocast_dtype=amp_dtype,
-        window_stride=evaluation.window_stride, effective_length_eps=evaluation.effective_length_eps,
-        extensions=extensions, extension_factor=evaluation.extension_factor,
-        extension_settings=evaluation.extension_options(),
-    )
+        run.model, prepared.tokens(evaluation.split), dataclasses.replace(evaluation, extension=extensions),
+        train_context, device, log=log, autocast_dtype=amp_dtype)
     probes = saved_run_probes(run, prepared, evaluation, device, amp_dtype, log)
     passkey = run_passkey(run.model, prepared, evaluation, train_context, device, amp_dtype, log)
     for entry in entries + probes + passkey:
