@@ -78,7 +78,7 @@ def meaning_text(doc: str) -> str:
 def table(group: str, cls: type) -> str:
     """The generated region of ``group``: its heading and key table."""
     module = cls.__module__.replace(".", "/") + ".py"
-    lines = [f"**`{group}`** (`{module}`: `{cls.__name__}`; composed by `configs/{group}/default.yaml`)", "",
+    lines = [f"**`{group}`** (`{module}`: `{cls.__name__}`)", "",
              "| key | default | meaning |", "|---|---|---|"]
     lines += [f"| `{key}` | {value_text(default)} | {meaning_text(doc)} |" for key, default, doc in rows(cls)]
     return "\n".join(lines)

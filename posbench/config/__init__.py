@@ -20,11 +20,13 @@ def config_dir() -> Path:
 
 
 def settings_groups() -> dict[str, type]:
-    """The config groups whose settings are a dataclass, which holds their defaults and field
-    documentation: group -> class. ``configs/<group>/default.yaml`` composes the class's defaults
-    (``- /<group>_settings@_here_``), and docs/configuration.md's tables of the group are
-    generated from the class (``scripts/config_reference.py``). A new group's dataclass is added
-    here (its module in layer 1 or below)."""
+    """The config sections whose settings are a dataclass, which holds their defaults and field
+    documentation: name -> class. Hydra's ConfigStore holds each class's defaults as
+    ``<name>_settings``, which the YAML composes (``configs/<group>/default.yaml``:
+    ``- /<group>_settings@_here_``), and docs/configuration.md's table of each is generated from
+    the class (``scripts/config_reference.py``, between ``<!-- config-reference: <name> -->``
+    marks). A new section's dataclass is added here, its module in layer 1 or below
+    (docs/architecture.md, "Settings")."""
     from posbench.evaluation.settings import EvalConfig
     from posbench.train.settings import TrainerConfig
 
