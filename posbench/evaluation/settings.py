@@ -66,7 +66,8 @@ class CopyConfig:
     span: int = 32
     """k: tokens in the repeated span; k - 1 of them are scored."""
     num_windows: int = 64
-    """Windows per (kind, distance, region), the same windows for every cell and every method."""
+    """Windows per (kind, distance, region), the same windows for every cell and every method;
+    at least 2 (for an interval)."""
     kinds: list[str] = field(default_factory=lambda: ["random", "text"])
     """random (ids uniform over the vocabulary: pure retrieval) and/or text (a held-out passage)."""
     seed: int = 0
