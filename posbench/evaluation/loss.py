@@ -37,8 +37,7 @@ from posbench.runs.results import SCHEMA_VERSION, headline_entries
 # Upper bound for one chunk of float32 logits; log-softmax/cross-entropy needs about one more
 # buffer of the same size, so peak extra memory stays well under 1 GB even for 50k vocabularies.
 _LOGITS_CHUNK_BYTES = 256 * 2**20
-# Effective length: tolerance in nats (eval.effective_length_eps) and smoothing in positions.
-EFFECTIVE_LENGTH_EPS = 0.05
+# Effective length: smoothing in positions (its tolerance in nats is eval.effective_length_eps).
 EFFECTIVE_LENGTH_WINDOW = 64
 
 
@@ -253,7 +252,7 @@ def perplexity_ratios(bands: dict[str, float], train_context: int) -> dict[str, 
 
 
 def effective_length(loss_by_position: np.ndarray, reference: np.ndarray | float, train_context: int,
-                     eps: float = EFFECTIVE_LENGTH_EPS, window: int = EFFECTIVE_LENGTH_WINDOW) -> int:
+                     eps: float, window: int = EFFECTIVE_LENGTH_WINDOW) -> int:
     """How far past the training context the loss stays close to a reference.
 
     The smoothed curve (centred moving average of ``window`` positions,
