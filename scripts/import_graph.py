@@ -21,10 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "posbench"
 
 # Bottom-up; a module may import its own layer and those below. Modules of a package not listed
-# take the package's layer (methods.rope -> methods).
+# take the package's layer (methods.rope -> methods). A package's ``settings`` module (the typed
+# settings it owns) sits in layer 1 beside ``config``: the run spec and lower layers build them.
 LAYERS: list[tuple[str, ...]] = [
     ("core", "configs"),
-    ("config", "runtime"),
+    ("config", "runtime", "train.settings", "evaluation.settings"),
     ("methods",),
     ("model",),
     ("data", "tasks"),

@@ -43,12 +43,12 @@ from posbench.bench.flops import matmul_parameters, resolve_peak_tflops, train_f
 from posbench.bench.peer import build_peer
 from posbench.bench.timing import time_steps
 from posbench.config import load_group_option
-from posbench.config.settings import COMPILE_MODES, TrainerConfig
 from posbench.core.errors import PosbenchError
 from posbench.methods import method_class
 from posbench.model.transformer import ModelConfig, build_model
 from posbench.runtime.device import autocast_dtype
 from posbench.train.optim import TrainStep, check_compile_mode, compile_model
+from posbench.train.settings import COMPILE_MODES, TrainerConfig
 
 PEER = "llama_peer"
 

@@ -95,6 +95,16 @@ QUICK_TRAIN = [
 ]
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module, for testing its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def compose_config(name: str, overrides: list[str]):
     """Compose a shipped primary config (train, eval, ...) the way the CLI does."""
     from hydra import compose, initialize_config_dir

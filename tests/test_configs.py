@@ -73,8 +73,6 @@ def test_launchers_compose(launcher):
 
 
 @pytest.mark.parametrize("group, option, cls_path, own", [
-    ("trainer", "default", "posbench.config.settings.TrainerConfig", ()),
-    ("eval", "default", "posbench.config.settings.EvalConfig", ()),
     ("model", "small", "posbench.model.transformer.ModelConfig", ()),  # the dataclass defaults are the small flavour
     *(("data", n, "posbench.data.DataConfig", ("source",)) for n in config_names("data")),
 ])
@@ -102,6 +100,24 @@ def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
     assert set(values) <= set(defaults), f"{group}/{option}.yaml sets unknown fields"
     differ = {k: (v, defaults[k]) for k, v in values.items() if k not in own and v != defaults[k]}
     assert not differ, f"{group}/{option}.yaml and {name} disagree: {differ}"
+
+
+@pytest.mark.parametrize("group", ["trainer", "eval"])
+def test_settings_group_defaults_are_written_once(group):
+    """A settings group's defaults are its dataclass's: its YAML options set no key the
+    dataclass already defaults to the same value, and ``train`` composes exactly the dataclass's
+    defaults (every field, in field order)."""
+    from dataclasses import asdict
+
+    from posbench.config import settings_groups
+
+    cls = settings_groups()[group]
+    for option in config_names(group):
+        own = OmegaConf.to_container(OmegaConf.load(config_dir() / group / f"{option}.yaml"))
+        own.pop("defaults", None)
+        assert not {k: v for k, v in own.items() if asdict(cls()).get(k) == v}, f"{group}/{option}.yaml repeats defaults"
+    section = OmegaConf.to_container(compose_config("train", [])[group])
+    assert list(section) == list(asdict(cls())) and section == asdict(cls())
 
 
 @pytest.mark.parametrize("command", ["bench", "viz"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +170,7 @@ def test_validation_subset_is_spread_seeded_and_the_same_for_every_method(tmp_pa
 
     spec = build_spec(compose_config("train", [*QUICK_TRAIN, "method=rope", "trainer.val_sequences=8"]))
     prepared = prepare_data(spec.data, log=QUIET)
-    spec.model.vocab_size = prepared.vocab_size
+    spec = replace(spec, model=replace(spec.model, vocab_size=prepared.vocab_size))
     sets = [validation_sets(prepared, build_model(spec.model, method, {}), spec.trainer, QUIET)
             for method in ("rope", "alibi", "nope")]
     for other in sets[1:]:

@@ -20,6 +20,7 @@ from posbench.evaluation.loss import (
     sliding_windows,
     windowed_loss,
 )
+from posbench.evaluation.settings import EvalConfig
 
 VOCAB = 97
 
@@ -113,7 +114,7 @@ def test_bands_follow_the_train_context() -> None:
 def test_evaluate_model_entries_and_first_windows() -> None:
     model = tiny("alibi")
     tokens = np.random.default_rng(0).integers(0, VOCAB, 5000).astype(np.uint16)
-    entries = evaluate_model(model, tokens, [64, 32, 64], num_sequences=4, batch_size=3,
+    entries = evaluate_model(model, tokens, EvalConfig(lengths=[64, 32, 64], num_sequences=4, batch_size=3),
                              train_context=16, device="cpu", log=lambda _: None)
     assert [e["length"] for e in entries] == [32, 64]  # sorted, deduplicated
     for entry in entries:
@@ -126,7 +127,7 @@ def test_evaluate_model_entries_and_first_windows() -> None:
     windows = torch.from_numpy(tokens[: 4 * 65].astype(np.int64).reshape(4, 65))
     expected = per_position_loss(model, windows, batch_size=4, device="cpu")
     np.testing.assert_allclose(entries[1]["loss_by_position"], expected.numpy(), rtol=1e-6, atol=1e-6)
-    again = evaluate_model(model, tokens, [32, 64], num_sequences=4, batch_size=3,
+    again = evaluate_model(model, tokens, EvalConfig(lengths=[32, 64], num_sequences=4, batch_size=3),
                            train_context=16, device="cpu", log=lambda _: None)
     assert [e["loss_by_position"] for e in again] == [e["loss_by_position"] for e in entries]
 
@@ -134,7 +135,7 @@ def test_evaluate_model_entries_and_first_windows() -> None:
 def test_fewer_windows_than_requested_are_logged() -> None:
     lines: list[str] = []
     tokens = np.arange(200) % VOCAB
-    (entry,) = evaluate_model(tiny(), tokens, [64], num_sequences=10, batch_size=4,
+    (entry,) = evaluate_model(tiny(), tokens, EvalConfig(lengths=[64], num_sequences=10, batch_size=4),
                               train_context=32, device="cpu", log=lines.append)
     assert entry["num_sequences"] == 3  # 200 // 65
     assert any("only 3 of 10 requested windows" in line for line in lines)
@@ -143,11 +144,13 @@ def test_fewer_windows_than_requested_are_logged() -> None:
 def test_too_short_stream_and_bad_arguments() -> None:
     model, tokens = tiny(), np.arange(50) % VOCAB
     with pytest.raises(PosbenchError):
-        evaluate_model(model, tokens, [64], 4, 2, 32, "cpu", log=lambda _: None)
+        evaluate_model(model, tokens, EvalConfig(lengths=[64], num_sequences=4, batch_size=2), 32, "cpu",
+                       log=lambda _: None)
     long_tokens = np.arange(1000) % VOCAB
     for lengths, n, batch in (([0], 4, 2), ([-5], 4, 2), ([], 4, 2), ([16], 0, 2), ([16], 4, 0)):
         with pytest.raises(PosbenchError):
-            evaluate_model(model, long_tokens, lengths, n, batch, 8, "cpu", log=lambda _: None)
+            evaluate_model(model, long_tokens, EvalConfig(lengths=lengths, num_sequences=n, batch_size=batch), 8,
+                           "cpu", log=lambda _: None)
 
 
 
@@ -203,8 +206,9 @@ def test_evaluate_model_statistics_against_explicit_computation() -> None:
     model = tiny("rope")
     tokens = np.random.default_rng(5).integers(0, VOCAB, 3000).astype(np.uint16)
     context, stride, eps, window = 16, 6, 0.05, 8
-    entries = evaluate_model(model, tokens, [32, 64], num_sequences=5, batch_size=2, train_context=context,
-                             device="cpu", log=lambda _: None, window_stride=stride, effective_length_eps=eps,
+    evaluation = EvalConfig(lengths=[32, 64], num_sequences=5, batch_size=2, window_stride=stride,
+                            effective_length_eps=eps)
+    entries = evaluate_model(model, tokens, evaluation, train_context=context, device="cpu", log=lambda _: None,
                              effective_length_window=window)
     for entry in entries:
         length = entry["length"]
@@ -259,8 +263,8 @@ def test_effective_length_on_known_curves() -> None:
 def test_window_stride_above_the_context_is_capped_and_logged() -> None:
     lines: list[str] = []
     tokens = np.random.default_rng(6).integers(0, VOCAB, 500).astype(np.uint16)
-    (entry,) = evaluate_model(tiny(), tokens, [48], num_sequences=2, batch_size=2, train_context=16,
-                              device="cpu", log=lines.append, window_stride=64)
+    (entry,) = evaluate_model(tiny(), tokens, EvalConfig(lengths=[48], num_sequences=2, batch_size=2, window_stride=64),
+                              train_context=16, device="cpu", log=lines.append)
     assert entry["windowed"]["stride"] == 16
     assert any("window_stride=64 is above the training context 16" in line for line in lines)
 

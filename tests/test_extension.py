@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from posbench.config.settings import ReRoPEConfig
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import per_position_loss
+from posbench.evaluation.settings import EvalConfig, ReRoPEConfig
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary
 from posbench.model.extension import (
@@ -314,7 +314,8 @@ def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
 
 
 def test_eval_config_takes_a_name_a_list_or_all_and_refuses_unknown_names():
-    from posbench.config.settings import EvalConfig, from_section
+    from posbench.config.settings import from_section
+    from posbench.evaluation.settings import EvalConfig
 
     assert from_section(EvalConfig, "eval", {"extension": "all"}).extension == ["all"]
     assert from_section(EvalConfig, "eval", {"extension": ["none", "yarn"]}).extension == ["none", "yarn"]
@@ -362,8 +363,8 @@ def test_extension_cost_is_measured_against_the_plain_model_inside_the_context_t
 
     model = _tiny("rope")
     tokens = torch.randint(0, 64, (4 * (2 * C + 1),))
-    plain, linear = evaluate_model(model, tokens, [2 * C], 4, 2, C, "cpu", log=lambda _: None,
-                                   extensions=["none", "linear"])
+    evaluation = EvalConfig(lengths=[2 * C], num_sequences=4, batch_size=2, extension=["none", "linear"])
+    plain, linear = evaluate_model(model, tokens, evaluation, C, "cpu", log=lambda _: None)
     inner = f"0-{C}"
     assert plain["cost"]["bands"][inner] == 0
     assert linear["cost"]["bands"][inner] == pytest.approx(linear["bands"][inner] - plain["bands"][inner])

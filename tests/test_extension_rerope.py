@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import assert_causal_model, assert_matches_reference
 
 import posbench
-from posbench.config.settings import EvalConfig, ReRoPEConfig, SelfExtendConfig, from_section
+from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import evaluate_model, per_position_loss
+from posbench.evaluation.settings import EvalConfig, ReRoPEConfig, SelfExtendConfig
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary, dense_score
 from posbench.model.extension import (
@@ -209,8 +211,8 @@ def test_settings_are_validated_and_recorded_in_the_entries():
     torch.manual_seed(0)
     model = posbench.create_model("rope", flavour="tiny", vocab_size=64).eval()
     tokens = torch.randint(0, 64, (4 * C,), generator=torch.Generator().manual_seed(0))
-    entries = evaluate_model(model, tokens, [2 * C], 1, 1, C, "cpu", log=lambda _: None,
-                             extensions=["rerope", "self_extend"], extension_settings=e.extension_options())
+    evaluation = replace(e, lengths=[2 * C], num_sequences=1, batch_size=1, extension=["rerope", "self_extend"])
+    entries = evaluate_model(model, tokens, evaluation, C, "cpu", log=lambda _: None)
     assert [x["extension"] for x in entries] == ["none", "rerope", "self_extend"]
     assert "extension_options" not in entries[0]
     assert entries[1]["extension_options"] == {"window": 16, "leaky": 8.0, "log_scaling": True}

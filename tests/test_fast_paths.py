@@ -214,7 +214,7 @@ def test_model_loss_chunk_switch_trains_as_the_default():
 
 
 def trainer_config(**values):
-    from posbench.config.settings import TrainerConfig
+    from posbench.train.settings import TrainerConfig
 
     cfg = TrainerConfig(**values)
     cfg.validate()

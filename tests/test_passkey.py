@@ -140,7 +140,8 @@ def test_the_evaluation_reads_held_out_text_only(prepared) -> None:
     ({"window": 3}, "unknown option.*eval.passkey.window"),
 ])
 def test_bad_passkey_settings_are_refused(passkey, message) -> None:
-    from posbench.config.settings import EvalConfig, from_section
+    from posbench.config.settings import from_section
+    from posbench.evaluation.settings import EvalConfig
 
     with pytest.raises(PosbenchError, match=message):
         from_section(EvalConfig, "eval", {"probes": ["passkey"], "passkey": passkey})

@@ -349,7 +349,8 @@ def test_the_probe_reads_held_out_text_only() -> None:
             self.asked.append(split)
             return stream()
 
-    from posbench.config.settings import EvalConfig, from_section
+    from posbench.config.settings import from_section
+    from posbench.evaluation.settings import EvalConfig
 
     evaluation = from_section(EvalConfig, "eval", {"probes": ["copy"], "copy": {"distances": [8, 40], "span": K,
                                                                                 "num_windows": 4}})
@@ -369,7 +370,8 @@ def test_the_probe_reads_held_out_text_only() -> None:
                                            ({"num_windows": 1}, "eval.copy.num_windows"),
                                            ({"bogus": 1}, "eval.copy.bogus")])
 def test_bad_copy_settings_are_refused(copy, message) -> None:
-    from posbench.config.settings import EvalConfig, from_section
+    from posbench.config.settings import from_section
+    from posbench.evaluation.settings import EvalConfig
 
     with pytest.raises(PosbenchError, match=message):
         from_section(EvalConfig, "eval", {"copy": copy})

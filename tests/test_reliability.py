@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,7 @@ def test_resume_refuses_other_data(tmp_path):
     interrupted_run(tmp_path, "method=nope", at=2)
     state = read_checkpoint(list_checkpoints(tmp_path)[-1])
     spec = build_spec(compose_config("train", [*QUICK_TRAIN, "method=nope"]))
-    spec.model.vocab_size = state["model_config"]["vocab_size"]
+    spec = replace(spec, model=replace(spec.model, vocab_size=state["model_config"]["vocab_size"]))
     other = {**state["data_identity"], "tokenizer_sha256": "0" * 64}
     with pytest.raises(PosbenchError, match="data.tokenizer_sha256="):
         check_resumable(state, spec, 6, tmp_path, other)

@@ -16,8 +16,9 @@ import pytest
 import torch
 from conftest import compose_config
 
-from posbench.config.settings import EvalConfig, from_section
+from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
+from posbench.evaluation.settings import EvalConfig
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.evaluation.tasks import answer_scores, evaluate_task, task_entry
 from posbench.methods import list_methods

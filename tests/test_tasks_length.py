@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import compose_config
 
-from posbench.config.settings import EvalConfig
 from posbench.core.errors import PosbenchError
+from posbench.evaluation.settings import EvalConfig
 from posbench.evaluation.tasks import answer_details, evaluate_task, learnt_at_c
 from posbench.model.transformer import ModelConfig, build_model
 from posbench.report.plot import plot_runs

@@ -37,7 +37,6 @@ from posbench.bench.peer import bench_peer, peer_twin
 from posbench.bench.report import render_markdown
 from posbench.bench.settings import BenchSettings, settings_from_config
 from posbench.bench.timing import CONTENDED_SPREAD, cpu_cores, free_memory, load_average, overloaded
-from posbench.config.settings import TrainerConfig
 from posbench.core.errors import PosbenchError, one_line
 from posbench.core.io import write_json_atomic, write_text_atomic
 from posbench.methods import PositionMethod
@@ -45,6 +44,7 @@ from posbench.model.transformer import ModelConfig, Transformer, attention_backe
 from posbench.runs.spec import MethodSpec
 from posbench.runtime.device import autocast_dtype, setup_device
 from posbench.train.optim import compiles
+from posbench.train.settings import TrainerConfig
 
 logger = logging.getLogger("posbench")
 

@@ -42,11 +42,11 @@ from posbench.bench.timing import (
     synchronize,
     time_steps,
 )
-from posbench.config.settings import TrainerConfig
 from posbench.evaluation.loss import per_position_loss
 from posbench.model.transformer import ModelConfig, attention_backends, build_model
 from posbench.runtime.device import autocast
 from posbench.train.optim import TrainStep, compile_model
+from posbench.train.settings import TrainerConfig
 
 logger = logging.getLogger("posbench")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -9,12 +10,13 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.config.settings import EvalConfig, from_section
+from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, tokenize_with
 from posbench.evaluation.loss import evaluate_model
 from posbench.evaluation.probes.copy import merge_probe_entries, run_probes
 from posbench.evaluation.probes.passkey import run_passkey
+from posbench.evaluation.settings import EvalConfig
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.report.plot import write_run_figures
 from posbench.runs.load import Run, load_run, run_data
@@ -105,13 +107,8 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     amp_dtype = autocast_dtype(eval_precision(cfg, run), device)
     precision = precision_name(amp_dtype)  # what it resolved to here (auto -> bf16 or fp32)
     entries = [] if probes_only else evaluate_model(
-        run.model, prepared.tokens(evaluation.split), evaluation.lengths, evaluation.num_sequences,
-        evaluation.batch_size, train_context, device, split=evaluation.split, log=log,
-        autocast_dtype=amp_dtype,
-        window_stride=evaluation.window_stride, effective_length_eps=evaluation.effective_length_eps,
-        extensions=extensions, extension_factor=evaluation.extension_factor,
-        extension_settings=evaluation.extension_options(),
-    )
+        run.model, prepared.tokens(evaluation.split), dataclasses.replace(evaluation, extension=extensions),
+        train_context, device, log=log, autocast_dtype=amp_dtype)
     probes = saved_run_probes(run, prepared, evaluation, device, amp_dtype, log)
     passkey = run_passkey(run.model, prepared, evaluation, train_context, device, amp_dtype, log)
     for entry in entries + probes + passkey:
@@ -160,5 +157,6 @@ def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.dev
     """``posbench eval``'s probes (eval.probes) on ``run``'s model, under its eval.extension."""
     if not evaluation.probes:
         return []
-    evaluation.extension = resolve_extensions(evaluation.extension, run.model.position, log=lambda _: None)
+    evaluation = dataclasses.replace(evaluation, extension=resolve_extensions(evaluation.extension, run.model.position,
+                                                                  log=lambda _: None))
     return run_probes(run.model, prepared, evaluation, int(run.config.trainer.context), device, amp_dtype, log)

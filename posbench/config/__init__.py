@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +10,40 @@ from posbench.core.errors import PosbenchError
 
 
 def config_dir() -> Path:
-    """Absolute path of the config tree (the top-level ``configs/``, shipped as posbench.configs)."""
+    """Absolute path of the config tree (the top-level ``configs/``, shipped as posbench.configs).
+    Every composition starts here, so this also gives Hydra the defaults of the settings groups
+    (:func:`register_settings`), which their ``default.yaml`` composes."""
     import posbench.configs
 
+    register_settings()
     return Path(next(iter(posbench.configs.__path__))).resolve()
+
+
+def settings_groups() -> dict[str, type]:
+    """The config sections whose settings are a dataclass, which holds their defaults and field
+    documentation: name -> class. Hydra's ConfigStore holds each class's defaults as
+    ``<name>_settings``, which the YAML composes (``configs/<group>/default.yaml``:
+    ``- /<group>_settings@_here_``), and docs/configuration.md's table of each is generated from
+    the class (``scripts/config_reference.py``, between ``<!-- config-reference: <name> -->``
+    marks). A new section's dataclass is added here, its module in layer 1 or below
+    (docs/architecture.md, "Settings")."""
+    from posbench.evaluation.settings import EvalConfig
+    from posbench.train.settings import TrainerConfig
+
+    return {"trainer": TrainerConfig, "eval": EvalConfig}
+
+
+@functools.cache
+def register_settings() -> None:
+    """Store each settings group's defaults in Hydra's ConfigStore as ``<group>_settings``: a plain
+    (untyped) node, so posbench's own checks (``from_section``) still report a bad value."""
+    from dataclasses import asdict
+
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for group, cls in settings_groups().items():
+        store.store(name=f"{group}_settings", node=asdict(cls()))
 
 
 def config_names(group: str) -> list[str]:

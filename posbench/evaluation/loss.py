@@ -19,7 +19,7 @@ import math
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from posbench.core.errors import PosbenchError
 from posbench.data.loader import eval_sequences, spread_sequences
+from posbench.evaluation.settings import EvalConfig
 from posbench.evaluation.stats import moving_average
 from posbench.model.extension import NONE, evaluation_order, extended, record_extension
 from posbench.model.transformer import CPU_LOGITS_CHUNK_BYTES
@@ -36,10 +37,8 @@ from posbench.runs.results import SCHEMA_VERSION, headline_entries
 # Upper bound for one chunk of float32 logits; log-softmax/cross-entropy needs about one more
 # buffer of the same size, so peak extra memory stays well under 1 GB even for 50k vocabularies.
 _LOGITS_CHUNK_BYTES = 256 * 2**20
-# Effective length: tolerance in nats (eval.effective_length_eps) and smoothing in positions.
-EFFECTIVE_LENGTH_EPS = 0.05
+# Effective length: smoothing in positions (its tolerance in nats is eval.effective_length_eps).
 EFFECTIVE_LENGTH_WINDOW = 64
-WINDOW_STRIDE = 64
 
 
 def _positions_per_chunk(batch: int, length: int, vocab: int, vocab_chunk: int | None,
@@ -253,7 +252,7 @@ def perplexity_ratios(bands: dict[str, float], train_context: int) -> dict[str, 
 
 
 def effective_length(loss_by_position: np.ndarray, reference: np.ndarray | float, train_context: int,
-                     eps: float = EFFECTIVE_LENGTH_EPS, window: int = EFFECTIVE_LENGTH_WINDOW) -> int:
+                     eps: float, window: int = EFFECTIVE_LENGTH_WINDOW) -> int:
     """How far past the training context the loss stays close to a reference.
 
     The smoothed curve (centred moving average of ``window`` positions,
@@ -297,30 +296,19 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def evaluate_model(
-    model: nn.Module,
-    tokens: np.ndarray,
-    lengths: Iterable[int],
-    num_sequences: int,
-    batch_size: int,
-    train_context: int,
-    device: str | torch.device,
-    split: str = "validation",
-    log: Callable[[str], Any] = print,
-    autocast_dtype: torch.dtype | None = None,
-    window_stride: int = WINDOW_STRIDE,
-    effective_length_eps: float = EFFECTIVE_LENGTH_EPS,
-    effective_length_window: int = EFFECTIVE_LENGTH_WINDOW,
-    extensions: Sequence[str] = ("none",),
-    extension_factor: float | None = None,
-    extension_settings: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """Evaluate ``model`` at every length in ``lengths``; returns results.json ``eval`` entries.
+def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig, train_context: int,
+                   device: str | torch.device, log: Callable[[str], Any] = print,
+                   autocast_dtype: torch.dtype | None = None,
+                   effective_length_window: int = EFFECTIVE_LENGTH_WINDOW) -> list[dict[str, Any]]:
+    """Evaluate ``model`` on ``tokens`` (the ``evaluation.split`` text) at every length of
+    ``evaluation`` (its ``lengths``, ``num_sequences``, ``batch_size``, ``window_stride``,
+    ``effective_length_eps``, ``extension`` (resolved names), ``extension_factor`` and the
+    extensions' settings); returns results.json ``eval`` entries.
 
-    Every (length, extension) pair of ``extensions`` (see :mod:`posbench.model.extension`; ``none`` =
-    the plain model) is its own entry, with ``extension`` and ``extension_factor`` (the factor
-    used, None for ``none``) keys, and ``extension_options`` for an extension with settings of
-    its own (``extension_settings``, by extension name: rerope, self_extend).
+    Every (length, extension) pair (see :mod:`posbench.model.extension`; ``none`` = the plain
+    model) is its own entry, with ``extension`` and ``extension_factor`` (the factor used, None
+    for ``none``) keys, and ``extension_options`` for an extension with settings of its own
+    (rerope, self_extend).
 
     For each length ``L`` (sorted, deduplicated) the first ``num_sequences`` non-overlapping
     windows of ``L + 1`` tokens of ``tokens`` are scored (deterministic: same tokens, same
@@ -335,13 +323,15 @@ def evaluate_model(
     ``window_stride``, plus ``stride`` and ``seconds``) and ``cost`` (full minus windowed:
     ``loss_by_position``, ``bands``, ``sequence_bands``; positive when the long context hurts).
     """
-    lengths = sorted({_positive_int("eval length", L) for L in lengths})
+    lengths = sorted({_positive_int("eval length", L) for L in evaluation.lengths})
     if not lengths:
         raise PosbenchError("no eval lengths given; set eval.lengths=[512]")
-    num_sequences = _positive_int("eval num_sequences", num_sequences)
-    batch_size = _positive_int("eval batch_size", batch_size)
+    num_sequences = _positive_int("eval num_sequences", evaluation.num_sequences)
+    batch_size = _positive_int("eval batch_size", evaluation.batch_size)
     train_context = _positive_int("train_context", train_context)
-    window_stride = _positive_int("eval window_stride", window_stride)
+    window_stride = _positive_int("eval window_stride", evaluation.window_stride)
+    split, extension_factor = evaluation.split, evaluation.extension_factor
+    extension_settings = evaluation.extension_options()
     if window_stride > train_context:
         log(f"eval.window_stride={window_stride} is above the training context {train_context}; "
             f"using {train_context} (non-overlapping windows)")
@@ -369,7 +359,7 @@ def evaluate_model(
             window_seconds = time.perf_counter() - started
             windowed = past  # (N, L - C); targets inside the context are prepended per extension below
         plain_inside = None  # (N, C): the plain model's losses inside the context, from the none pass
-        for extension in evaluation_order(extensions):  # none first: it is the reference
+        for extension in evaluation_order(evaluation.extension):  # none first: it is the reference
             started = time.perf_counter()
             with extended(model, extension, train_context, length, extension_factor, extension_settings) as factor:
                 full = per_sequence_loss(model, sequences, batch_size, device, autocast_dtype=autocast_dtype).numpy()
@@ -378,7 +368,7 @@ def evaluate_model(
                 plain_inside = full[:, :train_context]
             entry = _entry(full, windowed, plain_inside, split=split, length=length, count=count, train_context=train_context,
                            sequences=sequences, seconds=seconds, window_stride=window_stride,
-                           window_seconds=window_seconds, eps=effective_length_eps,
+                           window_seconds=window_seconds, eps=evaluation.effective_length_eps,
                            smooth=effective_length_window)
             record_extension(entry, extension, factor, train_context, length, extension_settings)
             entries.append(entry)
@@ -440,11 +430,7 @@ def evaluate_run(model: nn.Module, prepared: Any, spec: Any, device: torch.devic
     top part: schema, method, seed, training context and the eval entries."""
     e = spec.eval
     tokens = prepared.tokens(e.split)
-    entries = evaluate_model(model, tokens, e.lengths, e.num_sequences, e.batch_size, spec.trainer.context,
-                             device, split=e.split, log=log, autocast_dtype=amp_dtype,
-                             window_stride=e.window_stride, effective_length_eps=e.effective_length_eps,
-                             extensions=e.extension, extension_factor=e.extension_factor,
-                             extension_settings=e.extension_options())
+    entries = evaluate_model(model, tokens, e, spec.trainer.context, device, log=log, autocast_dtype=amp_dtype)
     return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed,
             "train_context": spec.trainer.context, "eval": entries,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}

@@ -123,7 +123,7 @@ def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, 
 
 def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: int, device: torch.device,
                   autocast_dtype: torch.dtype | None, log: Callable[[str], Any]) -> list[dict[str, Any]]:
-    """Every (eval length, extension) of ``evaluation`` (an :class:`posbench.config.settings.EvalConfig`)
+    """Every (eval length, extension) of ``evaluation`` (an :class:`posbench.evaluation.settings.EvalConfig`)
     on ``evaluation.num_sequences`` test sequences of the task: the results.json entries."""
     entries = []
     task.check_lengths(evaluation.lengths)

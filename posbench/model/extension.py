@@ -67,8 +67,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from posbench.config.settings import ReRoPEConfig, SelfExtendConfig
 from posbench.core.errors import PosbenchError
+from posbench.evaluation.settings import ReRoPEConfig, SelfExtendConfig
 from posbench.methods import list_methods, method_class
 from posbench.methods.base import InputTable, OverBase, PositionMethod, Rotary, ScoreFn, distance
 
@@ -494,7 +494,7 @@ def extended(model: nn.Module, name: str, train_context: int, length: int, facto
              options: Mapping[str, Any] | None = None) -> Iterator[float | None]:
     """Evaluate ``model`` under extension ``name`` inside the block; yields the factor used
     (None for ``none``). ``options``: the settings of the extensions that take some, by name
-    (:meth:`posbench.config.settings.EvalConfig.extension_options`). ``model.position`` is restored on
+    (:meth:`posbench.evaluation.settings.EvalConfig.extension_options`). ``model.position`` is restored on
     exit (the trained method itself is never changed)."""
     if name == NONE:
         yield None

@@ -29,7 +29,7 @@ from posbench.methods import ModelDims, PositionMethod, build_method
 from posbench.model.attention import BACKENDS, attend, causal_block_mask, prebuilt_block_mask, resolve_backend
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and initialisation of the transformer. Defaults are the ``small`` flavour."""
 

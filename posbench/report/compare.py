@@ -2,7 +2,7 @@
 
 A group holds the runs that differ only by seed (:func:`run_facets` lists what else must agree):
 method and options, model, training context, training budget (steps, tokens) and the trainer
-settings that change a result (``posbench.config.settings.RESULT_SETTINGS``), the resolved precision
+settings that change a result (``posbench.train.settings.RESULT_SETTINGS``), the resolved precision
 (``bf16``/``fp32``; ``unknown`` for results.json files from before posbench recorded it), the
 data (tokenizer and token streams by checksum) and the evaluation windows (``sequences_sha256``
 of every training-time entry). Seeds of one group are pooled; groups that differ in anything
@@ -36,7 +36,6 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from posbench.config.settings import RESULT_SETTINGS
 from posbench.evaluation.stats import (
     ONE_SEED,
     Interval,
@@ -49,6 +48,7 @@ from posbench.evaluation.stats import (
 )
 from posbench.methods import list_methods, saved_options
 from posbench.runs.results import RunRecord, headline_entries, plain_entries
+from posbench.train.settings import RESULT_SETTINGS
 
 HEADLINE_SPLIT = "validation"
 # Model keys that are results, not settings (they differ when the vocabulary does, which the

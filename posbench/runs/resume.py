@@ -12,13 +12,13 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from posbench.config.settings import RESULT_SETTINGS, TrainerConfig
 from posbench.core.errors import PosbenchError
 from posbench.core.io import file_sha256
 from posbench.data.tokenizer import TOKENIZER_FILE
 from posbench.runs.checkpoint import list_checkpoints, load_latest_checkpoint, read_checkpoint
 from posbench.runs.spec import MethodSpec, RunSpec
 from posbench.runtime.distributed import DistInfo
+from posbench.train.settings import RESULT_SETTINGS, TrainerConfig
 
 
 def run_target(t: TrainerConfig, run_dir: Path) -> Path:

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from posbench.config import check_top_level_keys, config_names, load_group_option
-from posbench.config.settings import EvalConfig, TrainerConfig, from_section
+from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig
+from posbench.evaluation.settings import EvalConfig
 from posbench.methods import ModelDims, PositionMethod, build_method, method_class, method_options, saved_options
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.model.positions import randomize_max_from_config
 from posbench.model.transformer import ModelConfig
 from posbench.tasks import Task, make_task
+from posbench.train.settings import TrainerConfig
 
 logger = logging.getLogger("posbench")
 
@@ -93,7 +95,7 @@ class MethodSpec:
             return self.build(dims)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunSpec:
     """Everything a run needs, validated before any work starts."""
 
@@ -149,7 +151,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     evaluation.check_lengths(trainer.context, need_headline=True)
     evaluation.check_probe(trainer.context)
     # Refused (or skipped with a line) now, not after training.
-    evaluation.extension = resolve_extensions(evaluation.extension, probe, log=logger.info)
+    evaluation = replace(evaluation, extension=resolve_extensions(evaluation.extension, probe, log=logger.info))
     longest = max(max(evaluation.lengths), trainer.context)
     if probe.max_positions is not None and longest > probe.max_positions:
         raise PosbenchError(

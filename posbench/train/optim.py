@@ -23,10 +23,10 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import Tensor
 
-from posbench.config.settings import CUDA_GRAPH_MODES, TrainerConfig
 from posbench.core.errors import PosbenchError
 from posbench.methods import PositionMethod
 from posbench.runtime.device import autocast
+from posbench.train.settings import CUDA_GRAPH_MODES, TrainerConfig
 
 
 def compiles(t: TrainerConfig, device: torch.device) -> bool:

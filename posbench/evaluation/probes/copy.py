@@ -53,9 +53,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from posbench.config.settings import KINDS, PROBES  # noqa: F401  (names owned by the settings)
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import score_rows
+from posbench.evaluation.settings import KINDS, PROBES  # noqa: F401  (names owned by the settings)
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.model.extension import NONE, evaluation_order, extended, extension_options
 from posbench.runs.results import shown_setting
@@ -503,7 +503,7 @@ def probe_summary(entries: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def run_probes(model: nn.Module, prepared: Any, evaluation: Any, train_context: int, device: torch.device,
                autocast_dtype: torch.dtype | None, log: Callable[[str], Any]) -> list[dict[str, Any]]:
-    """The probes ``evaluation.probes`` asks for (an :class:`posbench.config.settings.EvalConfig`), on
+    """The probes ``evaluation.probes`` asks for (an :class:`posbench.evaluation.settings.EvalConfig`), on
     the held-out split of ``prepared`` (a :class:`posbench.data.PreparedData`), under every
     extension of ``evaluation.extension``. Empty when no probe is asked for."""
     if "copy" not in evaluation.probes:

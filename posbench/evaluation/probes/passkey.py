@@ -224,7 +224,7 @@ def format_accuracy(entry: dict[str, Any]) -> str:
 
 def run_passkey(model: nn.Module, prepared: Any, evaluation: Any, train_context: int, device: torch.device,
                 autocast_dtype: torch.dtype | None, log: Callable[[str], Any]) -> list[dict[str, Any]]:
-    """The passkey evaluation when ``evaluation.probes`` (an :class:`posbench.config.settings.EvalConfig`)
+    """The passkey evaluation when ``evaluation.probes`` (an :class:`posbench.evaluation.settings.EvalConfig`)
     names it, on the held-out split of ``prepared`` (a :class:`posbench.data.PreparedData`), under
     every extension of ``evaluation.extension``; empty otherwise."""
     if "passkey" not in evaluation.probes:

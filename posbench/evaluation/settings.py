@@ -1,0 +1,209 @@
+"""The evaluator's settings (``eval.*``): typed, documented, validated, with the settings of
+the extensions that take some (``eval.rerope``, ``eval.self_extend``) and of the probes
+(``eval.copy``, ``eval.passkey``).
+
+Built from the ``eval`` config section by :func:`posbench.config.settings.from_section` (a nested
+section becomes its own dataclass); the defaults here are the only ones
+(``configs/eval/default.yaml`` composes them), and docs/configuration.md's eval tables are
+generated from the fields and their docstrings (``scripts/config_reference.py``). Layer 1 like
+``posbench.config``: the run spec (``posbench.runs``) and the model's extensions build on it, so it
+imports only ``core`` and ``config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from posbench.config.settings import require_positive
+from posbench.core.errors import PosbenchError
+
+# The zero-shot probes of eval.probes and the copy probe's span kinds (posbench/evaluation/probes/copy.py runs them).
+PROBES = ("copy", "passkey")
+KINDS = ("random", "text")
+
+
+@dataclass(frozen=True)
+class ReRoPEConfig:
+    """ReRoPE at evaluation (eval.rerope.*; posbench/model/extension.py, docs/context-extension.md)."""
+
+    window: int | None = None
+    """w: relative positions below w stay exact, the others become w. None = C / 8 (the
+    reference's 512 at a 4096 context)."""
+    leaky: float | None = None
+    """Leaky ReRoPE's k > 1: past w the relative position is w + (d - w) / k (the reference's
+    leaky patch uses 16). None = ReRoPE (k -> infinity)."""
+    log_scaling: bool = True
+    """Multiply the queries by max(1, log(n + 1) / log C), as the reference patch does; false =
+    the clamped positions alone."""
+
+    def validate(self) -> None:
+        require_positive("eval.rerope", window=self.window)
+        if self.leaky is not None and not self.leaky > 1:
+            raise PosbenchError(f"eval.rerope.leaky must be > 1 (or null for ReRoPE), got {self.leaky}")
+
+
+@dataclass(frozen=True)
+class SelfExtendConfig:
+    """Self-Extend at evaluation (eval.self_extend.*; posbench/model/extension.py, docs/context-extension.md)."""
+
+    window: int | None = None
+    """Neighbour window W: relative positions below W stay exact. None = C / 4 (LongLM's
+    default 1024 at a 4096 context)."""
+    group: int = 8
+    """Group size G: past W, positions are floor(n / G) (LongLM's default 8)."""
+
+    def validate(self) -> None:
+        require_positive("eval.self_extend", window=self.window, group=self.group)
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """The copy probe (eval.copy.*; posbench/evaluation/probes/copy.py, docs/probes.md)."""
+
+    distances: list[int] = field(default_factory=lambda: [32, 64, 128, 192, 256, 320, 384, 512, 768])
+    """Distances d between the two occurrences of the span (each >= span)."""
+    span: int = 32
+    """k: tokens in the repeated span; k - 1 of them are scored."""
+    num_windows: int = 64
+    """Windows per (kind, distance, region), the same windows for every cell and every method;
+    at least 2 (for an interval)."""
+    kinds: list[str] = field(default_factory=lambda: ["random", "text"])
+    """random (ids uniform over the vocabulary: pure retrieval) and/or text (a held-out passage)."""
+    seed: int = 0
+    """Seeds the choice of passages and the random spans (never the model's seed)."""
+    split: str = "validation"
+    """validation or test: held-out text only."""
+
+    def validate(self) -> None:
+        s = "eval.copy"
+        require_positive(s, span=self.span, num_windows=self.num_windows)
+        if self.span < 2:
+            raise PosbenchError(f"eval.copy.span must be at least 2 (one token is not scored), got {self.span}")
+        if self.num_windows < 2:
+            raise PosbenchError(f"eval.copy.num_windows must be at least 2 (for an interval), got {self.num_windows}")
+        if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < self.span
+                                     for d in self.distances):
+            raise PosbenchError(f"eval.copy.distances must be integers >= eval.copy.span={self.span}, "
+                                f"got {self.distances}")
+        if not self.kinds or any(k not in KINDS for k in self.kinds):
+            raise PosbenchError(f"eval.copy.kinds must be a non-empty list of {', '.join(KINDS)}, got {self.kinds}")
+        if self.split not in ("validation", "test"):
+            raise PosbenchError(f"eval.copy.split must be validation or test (held-out text), got {self.split!r}")
+
+
+@dataclass(frozen=True)
+class PasskeyConfig:
+    """The passkey evaluation (eval.passkey.*; posbench/evaluation/probes/passkey.py, docs/retrieval.md)."""
+
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
+    """Window lengths L of the passkey evaluation (``eval.probes=[passkey]``, docs/retrieval.md);
+    the question and its answer end the window."""
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """Where the key sentence starts, as a fraction of the room before the question (0: the
+    window's start, farthest from the question; 1: right before it)."""
+    num_windows: int = 32
+    """Windows per (length, depth): the same haystacks and keys in every cell and for every method."""
+    seed: int = 0
+    """Seeds the haystacks and the keys (never the model's seed)."""
+    split: str = "validation"
+    """validation or test: held-out text only."""
+
+    def validate(self) -> None:
+        s = "eval.passkey"
+        if self.num_windows < 2:
+            raise PosbenchError(f"{s}.num_windows must be at least 2 (for an interval), got {self.num_windows}")
+        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.lengths):
+            raise PosbenchError(f"{s}.lengths must be integers >= 64 (room for the key and the question), "
+                                f"got {self.lengths}")
+        if not self.depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1
+                                  for d in self.depths):
+            raise PosbenchError(f"{s}.depths must be numbers in [0, 1], got {self.depths}")
+        if self.split not in ("validation", "test"):
+            raise PosbenchError(f"{s}.split must be validation or test (held-out text), got {self.split!r}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """How a trained model is evaluated past its training context."""
+
+    lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
+    """Evaluation sequence lengths, each >= trainer.context, one >= 2 x trainer.context in
+    training (the headline band); each gets a per-position loss curve. 512 holds the headline
+    256-512 band; 1024 and 2048 the bands of longer extrapolation."""
+    split: str = "validation"
+    """validation (held-out, default), test (the text of local files named *test*, never trained
+    on) or train (the seed article's measurement, on training text)."""
+    num_sequences: int = 256
+    """Non-overlapping sequences per length, taken deterministically from the start of the split."""
+    batch_size: int = 16
+    """Sequences per forward pass during evaluation (the windowed pass puts the same number of
+    tokens in each forward)."""
+    window_stride: int = 64
+    """Stride S of the like-for-like (windowed) pass: targets past the training context C are
+    scored again by windows of C tokens, each scoring its last S positions, so every target sees
+    C - S + 1 .. C tokens. Smaller S = closer to exactly C tokens of context, but (L - C) / S
+    windows per sequence to run. Capped at C (docs/protocol.md)."""
+    effective_length_eps: float = 0.05
+    """Tolerance in nats of the effective length: the first position past the context where the
+    smoothed loss exceeds its 0-C level (or the windowed curve) by more than this."""
+    extension: list[str] = field(default_factory=lambda: ["none"])
+    """Context extensions evaluated at every length, each its own results.json entry: none (the
+    plain model), linear, ntk, dynamic_ntk, yarn, llama3, log_scaling, window, rerope,
+    self_extend, or all (every one that applies to the method); docs/context-extension.md."""
+    extension_factor: float | None = None
+    """Scaling factor of the extensions; None = L / C at each evaluated length L (dynamic_ntk:
+    transformers' factor, default 1)."""
+    rerope: ReRoPEConfig = field(default_factory=ReRoPEConfig)
+    """Settings of the rerope extension (eval.rerope.*, the table below)."""
+    self_extend: SelfExtendConfig = field(default_factory=SelfExtendConfig)
+    """Settings of the self_extend extension (eval.self_extend.*, the table below)."""
+    probes: list[str] = field(default_factory=list)
+    """Zero-shot probes run after the loss curves, each under every extension: copy (a span
+    repeated at distance d, scored against a control; docs/probes.md), passkey (a key asked for at
+    the window's end; docs/retrieval.md). Empty = none."""
+    copy: CopyConfig = field(default_factory=CopyConfig)
+    """Settings of the copy probe (eval.copy.*, the table below)."""
+    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
+    """Settings of the passkey evaluation (eval.passkey.*, the table below)."""
+
+    def validate(self) -> None:
+        if not self.lengths or any(
+            isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in self.lengths
+        ):
+            raise PosbenchError(f"eval.lengths must be a list of positive integers, got {self.lengths}")
+        if self.split not in ("validation", "test", "train"):
+            raise PosbenchError(f"eval.split must be validation, test or train, got {self.split!r}")
+        require_positive("eval", num_sequences=self.num_sequences, batch_size=self.batch_size,
+                         window_stride=self.window_stride, effective_length_eps=self.effective_length_eps)
+        if self.extension_factor is not None and not self.extension_factor >= 1:
+            raise PosbenchError(f"eval.extension_factor must be >= 1 (or null for L / C), got {self.extension_factor}")
+        # Extension names are checked by posbench.model.extension.check_names (it owns them).
+        for name in self.probes:
+            if name not in PROBES:
+                raise PosbenchError(f"unknown eval.probes entry {name!r}; choose from {', '.join(PROBES)}")
+
+    def extension_options(self) -> dict[str, Any]:
+        """The settings of the extensions that take some, by extension name (validated)."""
+        return {"rerope": self.rerope, "self_extend": self.self_extend}
+
+    def check_probe(self, train_context: int) -> None:
+        """Refuse copy probe settings that cannot run at ``train_context``, before any work."""
+        c = self.copy
+        if "copy" in self.probes and not c.span < train_context:
+            raise PosbenchError(f"eval.copy.span={c.span} must be below the training context {train_context}")
+
+    def check_lengths(self, train_context: int, need_headline: bool) -> None:
+        """Refuse lengths below the training context (they have no band at all), and, with
+        ``need_headline`` (training), a set of lengths without the headline C-2C band."""
+        if min(self.lengths) < train_context:
+            raise PosbenchError(
+                f"eval.lengths {self.lengths} has a length below trainer.context={train_context}; "
+                f"evaluate at or beyond the training context, e.g. eval.lengths=[{2 * train_context}]"
+            )
+        if need_headline and max(self.lengths) < 2 * train_context:
+            raise PosbenchError(
+                f"eval.lengths {self.lengths} has no length >= 2 x trainer.context = {2 * train_context}, so the "
+                f"headline {train_context}-{2 * train_context} band cannot be measured; add it, e.g. "
+                f"eval.lengths=[{','.join(map(str, sorted(set(self.lengths) | {2 * train_context})))}]"
+            )
