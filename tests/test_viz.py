@@ -227,13 +227,13 @@ def test_viz_is_a_listed_command_and_errors_are_one_line(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("+attention.foo=1", "unknown option(s) attention.foo"),
     ("+decay.base=1", "unknown option(s) decay.base"),
-    ("context=abc", "viz.context must be an integer, got 'abc'"),
+    ("context=abc", "context must be an integer, got 'abc'"),
     ("span=0", "viz span must be a positive integer, got 0"),
     ("attention.length_factor=0", "viz attention.length_factor must be a positive integer, got 0"),
     ("attention.num_sequences=two", "attention.num_sequences must be an integer"),
     ("attention.layers=[last]", "attention.layers must be layer numbers"),
     ("decay.bases=[abc]", "decay.bases must be positive numbers"),
-    ("attention=null", "viz.attention cannot be null"),
+    ("attention=null", "attention must be a mapping of settings, got None"),
 ])
 def test_bad_viz_settings_are_one_line_before_any_figure(override, message, tmp_path):
     """The settings are built by the config's from_section: every section's key is typed and checked."""

@@ -119,7 +119,7 @@ def settings_from_config(cfg: DictConfig | dict[str, Any]) -> tuple[BenchSetting
     values.pop("hydra", None)
     model_values = dict(values.pop("model", None) or {})
     peak = _peak(values.pop("peak_tflops", "auto"))  # a word or a number: no one type to check
-    settings = from_section(BenchSettings, "bench", _expand_shorthands(values))
+    settings = from_section(BenchSettings, "", _expand_shorthands(values))
     settings.peak_tflops = peak
     model_values["vocab_size"] = settings.vocab_size
     model_cfg = from_section(ModelConfig, "model", model_values)

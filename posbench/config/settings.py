@@ -20,21 +20,23 @@ T = TypeVar("T")
 def from_section(cls: type[T], section: str, values: dict[str, Any] | None) -> T:
     """Build dataclass ``cls`` from a config section, with one-line errors for bad keys/types.
     A field whose type is itself a settings dataclass (``eval.copy``) is built from its own
-    section, ``<section>.<field>``; the object is validated (its ``validate()``) once built."""
+    section, ``<section>.<field>``; the object is validated (its ``validate()``) once built. A
+    command's own top-level settings (``posbench bench``, ``posbench viz``) pass ``section=""``, so
+    a message names the key as it is typed on the command line (``batch_size``, ``attention.layers``)."""
     values = dict(values or {})
     known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
     types = _field_types(cls)
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise PosbenchError(
-            f"unknown option(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
+            f"unknown option(s) {', '.join(key_name(section, k) for k in unknown)}; "
             f"known: {', '.join(known)}"
         )
     for name, value in values.items():
         if is_dataclass(types.get(name)):
             if not isinstance(value, dict):
-                raise PosbenchError(f"{section}.{name} must be a mapping of settings, got {value!r}")
-            values[name] = from_section(types[name], f"{section}.{name}", value)
+                raise PosbenchError(f"{key_name(section, name)} must be a mapping of settings, got {value!r}")
+            values[name] = from_section(types[name], key_name(section, name), value)
         else:
             values[name] = coerce_value(section, name, known[name].type, value)
     obj = cls(**values)
@@ -42,6 +44,11 @@ def from_section(cls: type[T], section: str, values: dict[str, Any] | None) -> T
     if validate:
         validate()
     return obj
+
+
+def key_name(section: str, name: str) -> str:
+    """``trainer.lr`` for a group's key; ``batch_size`` for a command's top-level key (section "")."""
+    return f"{section}.{name}" if section else name
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -61,11 +68,11 @@ def coerce_value(section: str, name: str, annotation: Any, value: Any) -> Any:
     if value is None:
         if optional:
             return None
-        raise PosbenchError(f"{section}.{name} cannot be null")
+        raise PosbenchError(f"{key_name(section, name)} cannot be null")
     base = [t for t in spec.split("|") if t != "None"][0]
 
     def bad(kind: str) -> PosbenchError:
-        return PosbenchError(f"{section}.{name} must be {kind}, got {value!r}")
+        return PosbenchError(f"{key_name(section, name)} must be {kind}, got {value!r}")
 
     if base == "bool":
         if not isinstance(value, bool):
@@ -94,4 +101,4 @@ def coerce_value(section: str, name: str, annotation: Any, value: Any) -> Any:
 def require_positive(section: str, **values: Any) -> None:
     for name, value in values.items():
         if value is not None and not value > 0:
-            raise PosbenchError(f"{section}.{name} must be positive, got {value}")
+            raise PosbenchError(f"{key_name(section, name)} must be positive, got {value}")

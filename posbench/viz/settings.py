@@ -106,7 +106,7 @@ def settings_from_config(cfg: DictConfig | dict[str, Any]) -> VizSettings:
     """The ``posbench viz`` config -> validated settings; a key it lacks keeps the
     :class:`VizSettings` default (the one place defaults live besides viz.yaml, tested equal)."""
     values = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-    return from_section(VizSettings, "viz", {key: values[key] for key in KEYS if key in values})
+    return from_section(VizSettings, "", {key: values[key] for key in KEYS if key in values})
 
 
 __all__ = ["AttentionSettings", "DecaySettings", "VizSettings", "settings_from_config"]
