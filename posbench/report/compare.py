@@ -32,7 +32,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from posbench.evaluation.stats import (
     paired_difference,
     pooled_seed_sd,
 )
-from posbench.methods import list_methods, saved_options
+from posbench.report.listing import method_order
 from posbench.runs.results import RunRecord, headline_entries, plain_entries
 
 HEADLINE_SPLIT = "validation"
@@ -110,7 +110,7 @@ def run_facets(run: RunRecord) -> dict[str, Any]:
     runs belong to one group exactly when these agree. A value a run does not record is
     ``ABSENT`` (shown as ``unknown``), a value recorded as null is None (shown as ``none``)."""
     # Options the run does not record take the value they had then (t5's bias_scale before it existed: 1.0).
-    options = saved_options(run.method, run.results.get("method_options") or {})
+    options = run.method_options
     model = {k: v for k, v in (run.results.get("model") or {}).items() if k not in _MODEL_RESULT_KEYS}
     facets: dict[str, Any] = {str(k): v for k, v in sorted(options.items())}
     facets.update({f"model.{k}": v for k, v in sorted(model.items())})
@@ -136,13 +136,6 @@ def _shown(value: Any) -> str:
 def _encoded(value: Any) -> str:
     """``value`` as JSON, ABSENT apart from every recorded value (None included)."""
     return json.dumps(value, sort_keys=True, default=lambda v: "\0absent" if v is ABSENT else str(v))
-
-
-def method_order(methods: Iterable[str]) -> list[str]:
-    """Registry order (``posbench.list_methods()``), unknown names after, alphabetically."""
-    known = list_methods()
-    present = set(methods)
-    return [m for m in known if m in present] + sorted(present - set(known))
 
 
 def _differing(facets: Sequence[dict[str, Any]]) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from posbench import __version__
+from posbench.config import method_option_names
 from posbench.core.io import write_json_atomic
 
 SCHEMA_VERSION = 1
@@ -411,6 +412,20 @@ class RunRecord:
     @property
     def train_context(self) -> int:
         return int(self.results["train_context"])
+
+    @property
+    def method_options(self) -> dict[str, Any]:
+        """The method options the run trained with: an option its results.json does not record
+        takes the value it had before the option existed (the method's ``options_before``), not
+        today's default. Only such a run's method module is imported to read that: a run that
+        records every option of ``configs/method/<name>.yaml`` is read without it (or torch)."""
+        recorded = dict(self.results.get("method_options") or {})
+        shipped = method_option_names(self.method)
+        if shipped is not None and shipped <= set(recorded):
+            return recorded
+        from posbench.methods import saved_options
+
+        return saved_options(self.method, recorded)
 
     def plain(self) -> RunRecord:
         """The same run with only its plain eval entries (what the method comparisons read)."""
