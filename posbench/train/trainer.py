@@ -59,8 +59,9 @@ from posbench.runtime.distributed import (
 from posbench.runtime.hardware import environment_line, run_environment
 from posbench.runtime.preemption import StopRequest
 from posbench.train import loggers
-from posbench.train.loggers import make_progress, wandb_group
 from posbench.train.optim import TrainStep, compile_model, compiles, micro_batching, total_steps
+from posbench.train.progress import make_progress
+from posbench.train.wandb_session import wandb_group
 from posbench.train.workload import Workload, make_workload
 
 logger = logging.getLogger("posbench")
