@@ -15,7 +15,9 @@ from posbench.commands.sweep import sweep_summary
 from posbench.evaluation.loss import band_means, curve_summary, sequence_band_means
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.report.plot import plot_runs
-from posbench.runs.results import build_results, discover_runs, write_results, write_status
+from posbench.runs.results import discover_runs
+from posbench.runs.schema import build_results, write_results
+from posbench.runs.status import write_status
 
 PNG = b"\x89PNG\r\n\x1a\n"
 T2 = 4.303  # t_{0.975, 2}: three seeds
@@ -208,7 +210,7 @@ def test_runs_with_different_options_are_kept_apart(tmp_path: Path) -> None:
 
 
 def test_a_truncated_windowed_curve_is_invalid(tmp_path: Path) -> None:
-    from posbench.runs.results import validate_results
+    from posbench.runs.schema import validate_results
 
     results = make_run(tmp_path / "r", "rope", 0)
     results["eval"][0]["windowed"]["loss_by_position"] = results["eval"][0]["windowed"]["loss_by_position"][:-1]
@@ -342,7 +344,7 @@ def test_precision_of_older_results(tmp_path: Path) -> None:
 def test_variant_label_of_an_entry_without_a_checksum() -> None:
     """results.json files from before ``sequences_sha256`` was recorded: another count is the
     variant, without a ValueError for the checksum that is not there."""
-    from posbench.runs.results import variant_label
+    from posbench.runs.entries import variant_label
 
     old = {"split": "validation", "length": 512, "num_sequences": 8, "bands": {}}
     new = {"split": "validation", "length": 512, "num_sequences": 64, "sequences_sha256": "abc", "bands": {}}

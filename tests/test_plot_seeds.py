@@ -12,7 +12,8 @@ import pytest
 from test_compare import C, entry, make_run, per_sequence
 
 from posbench.evaluation.loss import curve_summary
-from posbench.runs.results import discover_runs, write_results
+from posbench.runs.results import discover_runs
+from posbench.runs.schema import write_results
 
 
 def long_entry(method: str, seed: int, length: int = 1024, **extra: object) -> dict:

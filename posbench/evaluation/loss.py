@@ -31,7 +31,8 @@ from posbench.data.loader import eval_sequences, spread_sequences
 from posbench.evaluation.stats import moving_average
 from posbench.model.extension import NONE, evaluation_order, extended, record_extension
 from posbench.model.transformer import CPU_LOGITS_CHUNK_BYTES
-from posbench.runs.results import SCHEMA_VERSION, headline_entries
+from posbench.runs.entries import headline_entries
+from posbench.runs.schema import SCHEMA_VERSION
 
 # Upper bound for one chunk of float32 logits; log-softmax/cross-entropy needs about one more
 # buffer of the same size, so peak extra memory stays well under 1 GB even for 50k vocabularies.

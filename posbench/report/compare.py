@@ -48,7 +48,8 @@ from posbench.evaluation.stats import (
     pooled_seed_sd,
 )
 from posbench.report.listing import method_order
-from posbench.runs.results import RunRecord, headline_entries, plain_entries
+from posbench.runs.entries import headline_entries, plain_entries
+from posbench.runs.results import RunRecord
 
 HEADLINE_SPLIT = "validation"
 # Model keys that are results, not settings (they differ when the vocabulary does, which the
@@ -277,7 +278,7 @@ def run_values(run: RunRecord, split: str) -> dict[str, Value]:
     ``band:<b>`` and ``windowed:<b>`` (loss), ``cost:<b>`` (full minus windowed, bands past C),
     ``ppl_ratio:<b>`` (PPL(b) / PPL(0-C)), each from the shortest length holding the band;
     read from the run's own entries (those ``posbench eval`` added later are left out, see
-    :func:`posbench.runs.results.headline_entries`);
+    :func:`posbench.runs.entries.headline_entries`);
     ``cum_ppl@<L>``, ``effective_length@<L>``, ``effective_length_windowed@<L>`` of the longest
     length ``L``.
     """

@@ -35,7 +35,8 @@ from posbench.model.extension import NONE, list_extensions
 from posbench.report.compare import band_key as _band_key
 from posbench.report.compare import group_runs
 from posbench.report.figures import new_figure, save
-from posbench.runs.results import RunRecord, entry_extension
+from posbench.runs.entries import entry_extension
+from posbench.runs.results import RunRecord
 
 
 def _extension_order(names: set[str]) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from posbench.core.errors import PosbenchError, one_line
-from posbench.runs.results import entry_extension, headline_entries
+from posbench.runs.entries import entry_extension, headline_entries
 from posbench.train.wandb_session import Log, note_unreachable, resolve_mode, settle_offline, upload_figures, wandb_init
 
 __all__ = [
