@@ -374,7 +374,7 @@ def test_presets_crossed_with_a_model_setting_keep_four_groups(tmp_path: Path) -
     """``-m model=mini,small model.n_layers=2,4``: the preset alone does not tell the four
     groups apart, so the labels name the layers too; no group replaces another and the sweep
     summary lists every job."""
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     for flavour, d_model in (("mini", 64), ("small", 128)):
         for layers in (2, 4):
@@ -393,7 +393,7 @@ def test_presets_crossed_with_a_model_setting_keep_four_groups(tmp_path: Path) -
 def test_an_unrecorded_setting_and_a_null_one_are_kept_apart(tmp_path: Path) -> None:
     """One run lacks an option (older results.json), another records it as null: two groups,
     labelled ``unknown`` and ``none``; a null setting never reads as ``unknown``."""
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     make_run(tmp_path / "s" / "old", "rope", 0)
     make_run(tmp_path / "s" / "full", "rope", 1, {"window": None})
@@ -404,7 +404,7 @@ def test_an_unrecorded_setting_and_a_null_one_are_kept_apart(tmp_path: Path) -> 
 
 
 def test_labels_that_print_alike_never_replace_a_group(tmp_path: Path) -> None:
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     make_run(tmp_path / "s" / "int", "rope", 0, {"base": 2})
     make_run(tmp_path / "s" / "text", "rope", 1, {"base": "2"})
@@ -416,7 +416,7 @@ def test_labels_that_print_alike_never_replace_a_group(tmp_path: Path) -> None:
 def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
     """The window baseline without a plain rope run beside it was labelled just ``rope`` (a
     method with one group takes its name), so its numbers read as plain rope's."""
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     def windowed(name: str, seed: int, window: int | None) -> None:
         make_run(tmp_path / name, "rope", seed)
@@ -437,7 +437,7 @@ def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
 def test_a_run_trained_with_retrieval_text_is_never_pooled_with_plain_runs(tmp_path: Path) -> None:
     """A run trained with ``data.retrieval`` (pass keys and repeated spans written into its
     training windows) was grouped with plain runs of its method as another seed of them."""
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     def trained(name: str, seed: int, retrieval: dict | None) -> None:
         make_run(tmp_path / name, "rope", seed)

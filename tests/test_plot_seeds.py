@@ -73,8 +73,8 @@ def test_the_extension_files_name_the_seeds(extended: Path, tmp_path: Path) -> N
 
 def test_extension_curves_name_the_seeds_they_are_over(extended: Path) -> None:
     """extension_curves said "2 seed(s)" and drew seed 0 only."""
-    from posbench.report.compare import group_runs
     from posbench.report.extension import _curves
+    from posbench.report.groups import group_runs
 
     runs = group_runs(discover_runs([extended])[0])["rope"].runs
     fig = _curves(runs, "rope", "validation")
