@@ -18,9 +18,9 @@ from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import evaluate_model, per_position_loss
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary, dense_score
+from posbench.model.extended_position import ExtendedPosition
 from posbench.model.extension import (
     EXTENSIONS,
-    ExtendedPosition,
     Setting,
     extended,
     list_extensions,
