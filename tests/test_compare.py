@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from posbench.commands.sweep import sweep_summary
-from posbench.evaluation.loss import band_means, curve_summary, sequence_band_means
+from posbench.evaluation.curves import band_means, curve_summary, sequence_band_means
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.report.plot import plot_runs
 from posbench.runs.results import discover_runs

@@ -12,9 +12,8 @@ from torch import nn
 
 import posbench
 from posbench.core.errors import PosbenchError
+from posbench.evaluation.curves import band_means, effective_length
 from posbench.evaluation.loss import (
-    band_means,
-    effective_length,
     evaluate_model,
     per_position_loss,
     sliding_windows,

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from posbench.commands.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
 from posbench.core.errors import PosbenchError
-from posbench.evaluation.loss import band_means
+from posbench.evaluation.curves import band_means
 from posbench.report.plot import plot_runs, plot_single_run
 from posbench.runs.results import discover_runs, read_metrics
 from posbench.runs.schema import build_results, read_results, validate_results, write_results

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_compare import C, entry, make_run, per_sequence
 
-from posbench.evaluation.loss import curve_summary
+from posbench.evaluation.curves import curve_summary
 from posbench.runs.results import discover_runs
 from posbench.runs.schema import write_results
 

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.evaluation.loss import band_edges, inference, sequences_fingerprint
+from posbench.evaluation.curves import band_edges
+from posbench.evaluation.loss import inference, sequences_fingerprint
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.model.extension import NONE, evaluation_order, extended, record_extension
 from posbench.runs.schema import SCHEMA_VERSION
