@@ -15,7 +15,7 @@ from test_compare import make_run
 import posbench
 from posbench.config import load_group_option, method_option_names
 from posbench.methods import list_methods, method_class, saved_options
-from posbench.report.listing import method_names
+from posbench.report.listing import _registered, method_names
 from posbench.runs.results import RunRecord
 
 READ = """
@@ -52,6 +52,13 @@ def test_a_table_from_saved_results_imports_neither_torch_nor_the_methods(tmp_pa
 def test_the_listing_order_read_from_source_is_the_registry_order() -> None:
     assert list(method_names()) == list_methods() == posbench.list_methods()
     assert method_names().index("swan") == method_names().index("layers") + 1  # layers.py registers both
+
+
+def test_the_source_reader_takes_the_registered_classes_in_order() -> None:
+    source = ('@register\nclass A(PositionMethod):\n    name: str = "a"\n\n'
+              'class Helper:\n    name = "not a method"\n\n'
+              '@register\nclass B(A):\n    fast = False\n    name = "b"\n')
+    assert _registered(source) == ["a", "b"]
 
 
 @pytest.mark.parametrize("method", list_methods())

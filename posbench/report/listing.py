@@ -27,10 +27,12 @@ def _registered(source: str) -> list[str]:
         if not any(isinstance(d, ast.Name) and d.id == "register" for d in node.decorator_list):
             continue
         for statement in node.body:
-            if (isinstance(statement, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "name"
-                                                          for t in statement.targets)
-                    and isinstance(statement.value, ast.Constant) and isinstance(statement.value.value, str)):
-                names.append(statement.value.value)
+            targets = statement.targets if isinstance(statement, ast.Assign) else \
+                [statement.target] if isinstance(statement, ast.AnnAssign) else []
+            value = getattr(statement, "value", None)
+            if (any(isinstance(t, ast.Name) and t.id == "name" for t in targets)
+                    and isinstance(value, ast.Constant) and isinstance(value.value, str)):
+                names.append(value.value)
     return names
 
 
