@@ -68,7 +68,7 @@ _LAZY = {
     "PreparedData": "posbench.data",
     "eval_sequences": "posbench.data.loader",
     "per_position_loss": "posbench.evaluation.loss",
-    "band_means": "posbench.evaluation.loss",
+    "band_means": "posbench.evaluation.curves",
 }
 
 

@@ -20,7 +20,9 @@ from posbench.commands.cli import run_script
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.report.compare import band_key
-from posbench.runs.results import RunRecord, entry_extension, read_results
+from posbench.runs.entries import entry_extension
+from posbench.runs.results import RunRecord
+from posbench.runs.schema import read_results
 
 
 def load(run_dir: str, variant: str | None) -> list[dict]:

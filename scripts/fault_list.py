@@ -131,7 +131,7 @@ def eval_below_context(tmp: Path) -> tuple[str, str]:
 
 
 def plot_skips_running(tmp: Path) -> tuple[str, str]:
-    from posbench.runs.results import write_status
+    from posbench.runs.status import write_status
 
     good, stale = train_run(tmp / "good", "method=rope"), train_run(tmp / "stale", "method=alibi")
     write_status(stale, "running")

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from posbench.commands.sweep import sweep_summary
-from posbench.evaluation.loss import band_means, curve_summary, sequence_band_means
+from posbench.evaluation.curves import band_means, curve_summary, sequence_band_means
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.report.plot import plot_runs
-from posbench.runs.results import build_results, discover_runs, write_results, write_status
+from posbench.runs.results import discover_runs
+from posbench.runs.schema import build_results, write_results
+from posbench.runs.status import write_status
 
 PNG = b"\x89PNG\r\n\x1a\n"
 T2 = 4.303  # t_{0.975, 2}: three seeds
@@ -208,7 +210,7 @@ def test_runs_with_different_options_are_kept_apart(tmp_path: Path) -> None:
 
 
 def test_a_truncated_windowed_curve_is_invalid(tmp_path: Path) -> None:
-    from posbench.runs.results import validate_results
+    from posbench.runs.schema import validate_results
 
     results = make_run(tmp_path / "r", "rope", 0)
     results["eval"][0]["windowed"]["loss_by_position"] = results["eval"][0]["windowed"]["loss_by_position"][:-1]
@@ -342,7 +344,7 @@ def test_precision_of_older_results(tmp_path: Path) -> None:
 def test_variant_label_of_an_entry_without_a_checksum() -> None:
     """results.json files from before ``sequences_sha256`` was recorded: another count is the
     variant, without a ValueError for the checksum that is not there."""
-    from posbench.runs.results import variant_label
+    from posbench.runs.entries import variant_label
 
     old = {"split": "validation", "length": 512, "num_sequences": 8, "bands": {}}
     new = {"split": "validation", "length": 512, "num_sequences": 64, "sequences_sha256": "abc", "bands": {}}
@@ -372,7 +374,7 @@ def test_presets_crossed_with_a_model_setting_keep_four_groups(tmp_path: Path) -
     """``-m model=mini,small model.n_layers=2,4``: the preset alone does not tell the four
     groups apart, so the labels name the layers too; no group replaces another and the sweep
     summary lists every job."""
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     for flavour, d_model in (("mini", 64), ("small", 128)):
         for layers in (2, 4):
@@ -391,7 +393,7 @@ def test_presets_crossed_with_a_model_setting_keep_four_groups(tmp_path: Path) -
 def test_an_unrecorded_setting_and_a_null_one_are_kept_apart(tmp_path: Path) -> None:
     """One run lacks an option (older results.json), another records it as null: two groups,
     labelled ``unknown`` and ``none``; a null setting never reads as ``unknown``."""
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     make_run(tmp_path / "s" / "old", "rope", 0)
     make_run(tmp_path / "s" / "full", "rope", 1, {"window": None})
@@ -402,7 +404,7 @@ def test_an_unrecorded_setting_and_a_null_one_are_kept_apart(tmp_path: Path) -> 
 
 
 def test_labels_that_print_alike_never_replace_a_group(tmp_path: Path) -> None:
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     make_run(tmp_path / "s" / "int", "rope", 0, {"base": 2})
     make_run(tmp_path / "s" / "text", "rope", 1, {"base": "2"})
@@ -414,7 +416,7 @@ def test_labels_that_print_alike_never_replace_a_group(tmp_path: Path) -> None:
 def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
     """The window baseline without a plain rope run beside it was labelled just ``rope`` (a
     method with one group takes its name), so its numbers read as plain rope's."""
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     def windowed(name: str, seed: int, window: int | None) -> None:
         make_run(tmp_path / name, "rope", seed)
@@ -435,7 +437,7 @@ def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
 def test_a_run_trained_with_retrieval_text_is_never_pooled_with_plain_runs(tmp_path: Path) -> None:
     """A run trained with ``data.retrieval`` (pass keys and repeated spans written into its
     training windows) was grouped with plain runs of its method as another seed of them."""
-    from posbench.report.compare import group_runs
+    from posbench.report.groups import group_runs
 
     def trained(name: str, seed: int, retrieval: dict | None) -> None:
         make_run(tmp_path / name, "rope", seed)

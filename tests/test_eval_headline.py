@@ -109,7 +109,8 @@ def test_a_new_length_never_becomes_the_headline(tmp_path):
     after = results_of(run_dir)
     assert [e["length"] for e in after["eval"]] == [64, 128] and after["eval"][0]["added"] is True
     assert headline(after, "32-64") == headline(before, "32-64") == before["eval"][0]["bands"]["32-64"]
-    from posbench.runs.results import RunRecord, headline_entries
+    from posbench.runs.entries import headline_entries
+    from posbench.runs.results import RunRecord
 
     assert headline_entries(after["eval"]) == [after["eval"][1]]  # what headline() and the sweep summary read
     assert RunRecord(run_dir, after).plain().results["eval"] == after["eval"]  # plots still show both lengths
@@ -136,7 +137,8 @@ def test_other_precision_is_a_variant_not_a_duplicate(rope_run):
 
 def test_results_without_variants_or_marks_read_as_before():
     """A results.json written before eval_variants / added existed: every plain entry counts."""
-    from posbench.runs.results import headline_entries, validate_results
+    from posbench.runs.entries import headline_entries
+    from posbench.runs.schema import validate_results
 
     entry = {"split": "validation", "length": 4, "num_sequences": 1, "loss_by_position": [1.0] * 4,
              "bands": {"0-2": 1.0, "2-4": 2.0}}

@@ -14,10 +14,10 @@ from posbench.evaluation.loss import per_position_loss
 from posbench.evaluation.settings import EvalConfig, ReRoPEConfig
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary
+from posbench.model.extended_position import ExtendedPosition
 from posbench.model.extension import (
     EXTENSIONS,
     NONE,
-    ExtendedPosition,
     Setting,
     evaluation_order,
     extended,

@@ -20,9 +20,9 @@ from posbench.evaluation.loss import evaluate_model, per_position_loss
 from posbench.evaluation.settings import EvalConfig, ReRoPEConfig, SelfExtendConfig
 from posbench.methods import ModelDims, build_method, list_methods, method_class
 from posbench.methods.base import Rotary, dense_score
+from posbench.model.extended_position import ExtendedPosition
 from posbench.model.extension import (
     EXTENSIONS,
-    ExtendedPosition,
     Setting,
     extended,
     list_extensions,
@@ -226,7 +226,7 @@ def test_entries_measured_with_other_settings_are_variants_labelled_by_them():
     """A rerope entry measured with another window never replaces the run's rerope entry: it is
     a variant labelled compactly by the settings (eval and copy probe entries alike)."""
     from posbench.evaluation.probes.copy import probe_variant_label
-    from posbench.runs.results import variant_label
+    from posbench.runs.entries import variant_label
 
     old = {"extension": "rerope", "extension_options": {"window": 32, "leaky": None, "log_scaling": True}}
     new = {"extension": "rerope", "extension_options": {"window": 16, "leaky": None, "log_scaling": True}}

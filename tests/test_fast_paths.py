@@ -380,7 +380,7 @@ def test_a_shared_fast_term_is_built_once_per_forward_for_all_layers(method, mon
 
 def test_an_evaluation_extension_keeps_fast_fox_exact_or_refuses_in_one_line():
     from posbench.core.errors import PosbenchError
-    from posbench.model.extension import ExtendedPosition
+    from posbench.model.extended_position import ExtendedPosition
 
     ref, fast = tiny_model("fox", "sdpa"), tiny_model("fox", "sdpa", fast=True)
     fast.load_state_dict(ref.state_dict())

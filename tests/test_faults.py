@@ -14,8 +14,9 @@ import pytest
 from conftest import QUICK_TRAIN, compose_config
 
 from posbench.core.errors import PosbenchError
-from posbench.runs.results import discover_runs, write_status
+from posbench.runs.results import discover_runs
 from posbench.runs.spec import build_spec
+from posbench.runs.status import write_status
 from posbench.train.trainer import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}

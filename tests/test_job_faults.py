@@ -243,14 +243,14 @@ def test_a_model_too_large_is_refused_before_the_data_is_prepared(tmp_path, monk
 def test_off_a_terminal_a_progress_line_comes_every_interval_with_rate_and_eta(monkeypatch):
     import io
 
-    import posbench.train.loggers as loggers
+    import posbench.train.progress as progress_module
 
     clock = [100.0]
-    monkeypatch.setattr(loggers.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(loggers.sys, "stderr", io.StringIO())  # a log file, not a terminal
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(progress_module.sys, "stderr", io.StringIO())  # a log file, not a terminal
     monkeypatch.delenv("CI", raising=False)
     lines: list[str] = []
-    progress = loggers.make_progress(total=1000, initial=0, enabled=True, every_seconds=30, log=lines.append)
+    progress = progress_module.make_progress(total=1000, initial=0, enabled=True, every_seconds=30, log=lines.append)
     for step in range(1, 1001):
         clock[0] += 1.0  # one step a second
         if step % 10 == 0:

@@ -1,4 +1,4 @@
-"""posbench.train.loggers: W&B offline without credentials, multirun, no-op loggers, graceful failure.
+"""posbench.train.loggers and wandb_session: W&B offline without credentials, multirun, no-op loggers, graceful failure.
 
 No network: credentials are hidden (HOME, WANDB_CONFIG_DIR and NETRC point into tmp_path), so
 ``mode: auto`` resolves to offline and wandb writes ``<run_dir>/wandb/offline-run-*``.
@@ -15,7 +15,7 @@ wandb = pytest.importorskip("wandb")
 
 from posbench.config import load_group_option  # noqa: E402
 from posbench.core.errors import PosbenchError  # noqa: E402
-from posbench.train import loggers  # noqa: E402
+from posbench.train import wandb_session  # noqa: E402
 from posbench.train.loggers import NullLogger, WandbLogger, make_logger  # noqa: E402
 
 CONFIG = {"method": {"name": "rope", "base": 10000.0}, "model": {"d_model": 64}, "seed": 0}
@@ -35,7 +35,7 @@ def no_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(home / ".cache" / "wandb"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(home / ".local" / "wandb"))
-    monkeypatch.setattr(loggers, "_online_unreachable", False)
+    monkeypatch.setattr(wandb_session, "_online_unreachable", False)
     # wandb caches settings (read from the environment) in a process-wide singleton, and keeps a
     # service process alive until teardown: start and end every test from a clean state.
     wandb.teardown()
@@ -94,22 +94,22 @@ def test_config_files():
 
 
 def test_auto_mode_without_credentials_is_offline():
-    assert not loggers.has_credentials()
-    assert loggers.resolve_mode("auto") == "offline"
+    assert not wandb_session.has_credentials()
+    assert wandb_session.resolve_mode("auto") == "offline"
     messages: list[str] = []
-    assert loggers.resolve_mode("online", log=messages.append) == "offline"
+    assert wandb_session.resolve_mode("online", log=messages.append) == "offline"
     assert len(messages) == 1 and "no W&B credentials" in messages[0]
 
 
 def test_credentials_make_auto_online(monkeypatch, tmp_path):
     (tmp_path / "home" / ".netrc").write_text("machine api.wandb.ai login user password " + "a" * 40 + "\n")
-    assert loggers.has_credentials()
-    assert loggers.resolve_mode("auto") == "online"
+    assert wandb_session.has_credentials()
+    assert wandb_session.resolve_mode("auto") == "online"
     monkeypatch.setenv("WANDB_MODE", "offline")  # the environment decides an auto mode
-    assert loggers.resolve_mode("auto") == "offline"
-    assert loggers.resolve_mode("online") == "online"  # an explicit config mode wins...
+    assert wandb_session.resolve_mode("auto") == "offline"
+    assert wandb_session.resolve_mode("online") == "online"  # an explicit config mode wins...
     monkeypatch.setenv("WANDB_MODE", "disabled")  # ...except over the CI kill switch
-    assert loggers.resolve_mode("online") == "disabled"
+    assert wandb_session.resolve_mode("online") == "disabled"
 
 
 @pytest.mark.slow
@@ -231,7 +231,7 @@ def test_online_failure_falls_back_to_offline(monkeypatch, tmp_path):
         return real_init(*args, mode=mode, **kwargs)
 
     monkeypatch.setattr(wandb, "init", init)
-    monkeypatch.setattr(loggers, "has_credentials", lambda: True)
+    monkeypatch.setattr(wandb_session, "has_credentials", lambda: True)
     messages: list[str] = []
     logger = _make(tmp_path, messages=messages, mode="online")
     assert logger.active and logger.mode == "offline"
@@ -294,7 +294,7 @@ def test_a_teardown_that_would_exit_the_process_is_one_warning(tmp_path, monkeyp
 def test_only_an_offline_run_waits_for_wandb_teardown(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(wandb, "teardown", lambda exit_code=None: calls.append(exit_code))
-    loggers.settle_offline("online", 0, print)
+    wandb_session.settle_offline("online", 0, print)
     assert calls == []  # online: finish() uploaded it; a teardown could wait on a dead network
-    loggers.settle_offline("offline", 3, print)
+    wandb_session.settle_offline("offline", 3, print)
     assert calls == [3]

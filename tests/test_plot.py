@@ -12,18 +12,11 @@ from omegaconf import OmegaConf
 
 from posbench.commands.sweep import ComparePlotsCallback, failed_jobs_of_last_sweep
 from posbench.core.errors import PosbenchError
-from posbench.evaluation.loss import band_means
+from posbench.evaluation.curves import band_means
 from posbench.report.plot import plot_runs, plot_single_run
-from posbench.runs.results import (
-    build_results,
-    discover_runs,
-    read_metrics,
-    read_results,
-    read_status,
-    validate_results,
-    write_results,
-    write_status,
-)
+from posbench.runs.results import discover_runs, read_metrics
+from posbench.runs.schema import build_results, read_results, validate_results, write_results
+from posbench.runs.status import read_status, write_status
 
 PNG = b"\x89PNG\r\n\x1a\n"
 METHODS = {"rope": 0.0, "alibi": -0.1, "nope": 0.3}  # loss offsets; nope also blows up past 256

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from test_compare import C, entry, make_run, per_sequence
 
-from posbench.evaluation.loss import curve_summary
-from posbench.runs.results import discover_runs, write_results
+from posbench.evaluation.curves import curve_summary
+from posbench.runs.results import discover_runs
+from posbench.runs.schema import write_results
 
 
 def long_entry(method: str, seed: int, length: int = 1024, **extra: object) -> dict:
@@ -72,8 +73,8 @@ def test_the_extension_files_name_the_seeds(extended: Path, tmp_path: Path) -> N
 
 def test_extension_curves_name_the_seeds_they_are_over(extended: Path) -> None:
     """extension_curves said "2 seed(s)" and drew seed 0 only."""
-    from posbench.report.compare import group_runs
     from posbench.report.extension import _curves
+    from posbench.report.groups import group_runs
 
     runs = group_runs(discover_runs([extended])[0])["rope"].runs
     fig = _curves(runs, "rope", "validation")

@@ -391,7 +391,7 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     from conftest import QUICK_TRAIN, compose_config
 
     from posbench.commands.eval import evaluate_saved_run
-    from posbench.runs.results import read_results
+    from posbench.runs.schema import read_results
     from posbench.train.trainer import train
 
     probe_options = ["eval.probes=[copy]", "eval.copy.distances=[8,40]", "eval.copy.span=4",
@@ -493,7 +493,8 @@ def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -
     from test_compare import make_run
 
     from posbench.report.probes import cell_intervals, copy_markdown, probe_groups
-    from posbench.runs.results import discover_runs, write_results
+    from posbench.runs.results import discover_runs
+    from posbench.runs.schema import write_results
 
     for seed, probes in ((0, [fake_probe_entry(1.0), fake_probe_entry(2.0, split="test")]),
                          (1, [fake_probe_entry(1.2), fake_probe_entry(0.2, windows="w8", num_windows=8,
@@ -519,7 +520,7 @@ def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, 
     from conftest import QUICK_TRAIN, compose_config
 
     from posbench.commands.eval import evaluate_saved_run
-    from posbench.runs.results import read_results
+    from posbench.runs.schema import read_results
     from posbench.train.trainer import train
 
     run = tmp_path / "run"
@@ -551,7 +552,8 @@ def test_entries_written_before_the_matched_control_load_without_a_retrieval_gai
     from posbench.evaluation.probes.copy import entry_reach, format_gains, has_matched
     from posbench.report.probes import cell_intervals, copy_csv, copy_markdown, mean_reach
     from posbench.report.probes import probe_groups as groups_of
-    from posbench.runs.results import discover_runs, write_results
+    from posbench.runs.results import discover_runs
+    from posbench.runs.schema import write_results
 
     old = fake_probe_entry(1.0, matched=False)
     assert not has_matched(old) and entry_reach(old, "random") is None and mean_reach([old], "random") is None

@@ -242,8 +242,8 @@ def test_a_config_error_next_to_a_run_another_process_holds_writes_nothing_there
     from conftest import compose_config
 
     from posbench.core.errors import PosbenchError
-    from posbench.runs.results import write_status
     from posbench.runs.rundir import RunLock
+    from posbench.runs.status import write_status
     from posbench.train.trainer import train
 
     write_status(tmp_path, "running", method="alibi", seed=0)

@@ -17,7 +17,7 @@ import posbench
 from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method
 from posbench.model.transformer import ModelConfig, build_model
-from posbench.train.loggers import wandb_run_id
+from posbench.train.wandb_session import wandb_run_id
 from posbench.viz.attention import record_attention, recording_attention
 from posbench.viz.command import run_viz
 from posbench.viz.measures import (
@@ -289,7 +289,7 @@ def test_figures_go_to_the_runs_wandb_run(tmp_path, monkeypatch):
     """Offline: the figures are logged by resuming the W&B run id recorded in the run dir."""
     from omegaconf import OmegaConf
 
-    from posbench.train.loggers import wandb_init
+    from posbench.train.wandb_session import wandb_init
     from posbench.viz.command import log_to_wandb
 
     monkeypatch.delenv("WANDB_MODE", raising=False)

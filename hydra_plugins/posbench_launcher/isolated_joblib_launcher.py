@@ -119,7 +119,7 @@ def _job_process(payload: bytes, send: Any) -> None:
 def _record_dead_job(job_dir: Path | None, overrides: list[str], exitcode: int | None) -> JobReturn:
     """Mark a job whose process died as failed (unless it recorded its own end) and return a
     JobReturn that lets the sweep go on."""
-    from posbench.runs.results import read_status, write_status
+    from posbench.runs.status import read_status, write_status
 
     if exitcode is not None and exitcode < 0:
         how = f"killed by {signal.Signals(-exitcode).name}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from posbench.core.errors import PosbenchError
 
@@ -49,6 +49,28 @@ def register_settings() -> None:
 def config_names(group: str) -> list[str]:
     """Names of the option files in a config group, e.g. ``config_names("model")``."""
     return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+# The order methods are listed and plotted in: these first, any other method after them,
+# alphabetically, so a new method needs no edit here.
+METHOD_LISTING_ORDER = ("nope", "learned", "sinusoidal", "rope", "alibi", "t5", "relative")
+
+
+def listing_order(methods: Iterable[str]) -> list[str]:
+    """``methods`` in listing order (:data:`METHOD_LISTING_ORDER` first, the rest alphabetically)."""
+    names = set(methods)
+    return [m for m in METHOD_LISTING_ORDER if m in names] + sorted(names - set(METHOD_LISTING_ORDER))
+
+
+def method_option_names(name: str) -> set[str] | None:
+    """The options ``configs/method/<name>.yaml`` sets (None: no such file)."""
+    import yaml
+
+    path = config_dir() / "method" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    options = yaml.safe_load(path.read_text()) or {}
+    return set(options) - {"name"}
 
 
 def load_group_option(group: str, name: str) -> dict[str, Any]:

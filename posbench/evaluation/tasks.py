@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posbench.evaluation.loss import band_edges, inference, sequences_fingerprint
+from posbench.evaluation.curves import band_edges
+from posbench.evaluation.loss import inference, sequences_fingerprint
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.model.extension import NONE, evaluation_order, extended, record_extension
-from posbench.runs.results import SCHEMA_VERSION
+from posbench.runs.schema import SCHEMA_VERSION
 from posbench.tasks.base import IGNORE, STANDARD, TEST, VALID, Batch, Task, task_class
 
 ENTRY_SPLIT = "test"

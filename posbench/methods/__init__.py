@@ -10,6 +10,7 @@ import importlib
 import inspect
 from typing import Any
 
+from posbench.config import listing_order
 from posbench.config.settings import coerce_value
 from posbench.core.errors import PosbenchError
 from posbench.methods.base import (
@@ -30,10 +31,8 @@ from posbench.methods.base import (
 
 _REGISTRY: dict[str, type[PositionMethod]] = {}
 
-# Every module of this package is a method and is imported (so registered) below. The first
-# ones come in this order, which is the order methods are listed and plotted in; any other
-# module follows alphabetically, so a new method needs no edit here.
-_LISTING_ORDER = ("nope", "learned", "sinusoidal", "rope", "alibi", "t5", "relative")
+# Every module of this package is a method and is imported (so registered) below, in the order
+# methods are listed and plotted in (posbench.config.METHOD_LISTING_ORDER, then alphabetically).
 
 
 def register(cls: type[PositionMethod]) -> type[PositionMethod]:
@@ -113,8 +112,7 @@ def build_base(owner: str, base: str, dims: ModelDims) -> PositionMethod:
 def _method_modules() -> list[str]:
     import pkgutil
 
-    found = {m.name for m in pkgutil.iter_modules(__path__) if m.name != "base" and not m.name.startswith("_")}
-    return [m for m in _LISTING_ORDER if m in found] + sorted(found - set(_LISTING_ORDER))
+    return listing_order(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base" and not m.name.startswith("_"))
 
 
 for _module in _method_modules():

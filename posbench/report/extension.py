@@ -33,9 +33,10 @@ from posbench.core.io import write_text_atomic
 from posbench.evaluation.stats import moving_average as _moving_average
 from posbench.model.extension import NONE, list_extensions
 from posbench.report.compare import band_key as _band_key
-from posbench.report.compare import group_runs
 from posbench.report.figures import new_figure, save
-from posbench.runs.results import RunRecord, entry_extension
+from posbench.report.groups import group_runs
+from posbench.runs.entries import entry_extension
+from posbench.runs.results import RunRecord
 
 
 def _extension_order(names: set[str]) -> list[str]:

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from posbench.core.errors import PosbenchError
 from posbench.core.io import atomic_path
-from posbench.methods import list_methods
+from posbench.report.listing import method_names
 
 FORMATS = ("png", "pdf", "svg")
 
@@ -45,7 +45,7 @@ def line_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
     from 11 labels on every curve also gets a marker (tab20's light partners resemble their
     strong colours), chosen so that no two labels share both colour and marker.
     """
-    known, colours = list_methods(), palette()
+    known, colours = list(method_names()), palette()
     labels = list(dict.fromkeys(labels))
     index: dict[str, int] = {}
     for label in labels:

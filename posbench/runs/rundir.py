@@ -9,7 +9,7 @@
          /figures/         per-run figures
          /.posbench.lock   one process at a time holds the directory (:class:`RunLock`)
 
-File names are those of :mod:`posbench.runs.results` (the reader of runs); nothing else writes a run
+File names are those of the readers (:mod:`posbench.runs.results`, `.schema`, `.status`); nothing else writes a run
 file by name.
 """
 
@@ -28,19 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from posbench.core.errors import PosbenchError, one_line
 from posbench.core.io import write_json_atomic, write_text_atomic
 from posbench.runs.checkpoint import checkpoint_dir, list_checkpoints
-from posbench.runs.results import (
-    CONFIG_FILE,
-    METRICS_FILE,
-    REFUSED_FILE,
-    RESULTS_FILE,
-    STATUS_FILE,
-    quarantine,
-    read_metrics,
-    read_results,
-    read_status,
-    write_results,
-    write_status,
-)
+from posbench.runs.results import CONFIG_FILE, METRICS_FILE, read_metrics
+from posbench.runs.schema import RESULTS_FILE, quarantine, read_results, write_results
+from posbench.runs.status import REFUSED_FILE, STATUS_FILE, read_status, write_status
 
 RESULTS_LOCK = ".results.json.lock"  # held while results.json is read, merged and rewritten
 FIGURES_DIR = "figures"

@@ -194,7 +194,7 @@ class Task:
 
 def lookback_bands(length: int, context: int) -> list[tuple[int, int]]:
     """The bands ``[a, b)`` that lookbacks at ``length`` are drawn and reported in: 0-C, C-2C,
-    2C-4C, ... (the edges of :func:`posbench.evaluation.loss.band_edges`) and the rest up to ``length``."""
+    2C-4C, ... (the edges of :func:`posbench.evaluation.curves.band_edges`) and the rest up to ``length``."""
     edges = [0, min(context, length)]
     while edges[-1] * 2 <= length:
         edges.append(edges[-1] * 2)

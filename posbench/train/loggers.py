@@ -7,25 +7,20 @@ the logger into a no-op while training carries on.
 
 Pick one with the Hydra group ``logger`` (``logger=wandb`` or ``logger=none``) and build it with
 :func:`make_logger`. ``logger.mode=auto`` goes online when W&B credentials exist and offline
-otherwise (offline runs upload later with ``wandb sync``).
+otherwise (offline runs upload later with ``wandb sync``): :mod:`posbench.train.wandb_session`.
+The console's progress of the step loop is :mod:`posbench.train.progress`.
 """
 
 from __future__ import annotations
 
 import math
-import netrc
-import os
-import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
-
-from tqdm.auto import tqdm
 
 from posbench.core.errors import PosbenchError, one_line
-from posbench.runs.results import entry_extension, headline_entries
+from posbench.runs.entries import entry_extension, headline_entries
+from posbench.train.wandb_session import Log, note_unreachable, resolve_mode, settle_offline, upload_figures, wandb_init
 
 __all__ = [
     "LOGGERS",
@@ -34,26 +29,11 @@ __all__ = [
     "NullLogger",
     "WandbLogger",
     "make_logger",
-    "resolve_mode",
-    "has_credentials",
+    "upload_figures",  # re-exported: `posbench viz` adds its figures through it
 ]
 
 LOGGERS = ("none", "wandb")
 MODES = ("auto", "online", "offline", "disabled")
-
-# wandb.init waits 90 s by default when the server is unreachable; 30 s is ample for a healthy
-# connection and bounds the stall. finish() by default blocks until every byte is uploaded, which
-# can be forever on a dead network; the data is safe in the local .wandb file anyway (wandb sync).
-# Both honour wandb's own env vars WANDB_INIT_TIMEOUT / WANDB_FINISH_TIMEOUT.
-DEFAULT_INIT_TIMEOUT_S = 30.0
-DEFAULT_FINISH_TIMEOUT_S = 300.0
-
-# Set once an online init has failed in this process: Hydra's basic launcher runs a sweep's jobs
-# one after another in one process, and each would otherwise wait the full init timeout again.
-_online_unreachable = False
-
-Log = Callable[[str], None]
-
 
 class RunLogger:
     """Interface of a run's tracker. Every method is a no-op here; subclasses override them."""
@@ -147,62 +127,6 @@ def make_logger(
     )
 
 
-def resolve_mode(mode: str, *, log: Log = print) -> str:
-    """Turn a ``logger.mode`` into ``online``, ``offline`` or ``disabled`` without any network access.
-
-    ``WANDB_MODE=disabled`` / ``WANDB_DISABLED=true`` always win (the usual CI kill switch); any
-    other ``WANDB_MODE`` decides only when the config says ``auto``. Online needs credentials:
-    without them wandb would prompt for a key (or fail with no TTY), so we log offline instead.
-    """
-    env_mode = os.environ.get("WANDB_MODE", "").strip().lower()
-    disabled = os.environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes")
-    if env_mode == "disabled" or disabled:
-        return "disabled"
-    if mode == "auto" and env_mode:
-        mode = {"dryrun": "offline", "run": "online"}.get(env_mode, env_mode)
-        mode = mode if mode in ("online", "offline") else "auto"  # e.g. "shared": decide ourselves
-    if mode == "auto":
-        mode = "online" if has_credentials() else "offline"
-    elif mode == "online" and not has_credentials():
-        log("warning: logger.mode=online but no W&B credentials "
-            "(set WANDB_API_KEY or run `wandb login`); logging offline")
-        return "offline"
-    if mode == "online" and _online_unreachable:
-        log("warning: W&B was unreachable earlier in this process; logging offline")
-        return "offline"
-    return mode
-
-
-def has_credentials() -> bool:
-    """True when wandb would find an API key without asking: WANDB_API_KEY, an identity token
-    file, a netrc entry or an ``api_key`` setting for the configured W&B host. Local files only."""
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    try:
-        # wandb's own lookup (same host resolution, Forge/upstream aliases, settings files) with
-        # prompting and verification (network) off. Private API, hence the fallback below.
-        from wandb.sdk import wandb_setup
-        from wandb.sdk.lib import wbauth
-
-        settings = wandb_setup.singleton().settings
-        host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
-        auth = wbauth.authenticate_session(
-            host=host, source="posbench", prompt=False, verify=False, update_session=False
-        )
-        return auth is not None
-    except Exception:
-        return _netrc_has_host(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
-
-
-def _netrc_has_host(url: str) -> bool:
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        entry = netrc.netrc(path).authenticators(urlsplit(url).netloc)
-    except Exception:
-        return False
-    return bool(entry and entry[2])
-
-
 class WandbLogger(RunLogger):
     """Mirror a run to Weights & Biases; use :func:`make_logger` rather than this directly.
 
@@ -248,7 +172,6 @@ class WandbLogger(RunLogger):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _start(self, init_args: dict) -> None:
-        global _online_unreachable
         try:
             self._run = wandb_init(mode=self.mode, **init_args)
         except Exception as e:
@@ -256,7 +179,7 @@ class WandbLogger(RunLogger):
                 return self._disable("init", e)
             # Online failed (usually unreachable server after init_timeout). Offline needs no
             # network, keeps the data and can be uploaded later, so it beats logging nothing.
-            _online_unreachable = True
+            note_unreachable()
             self._log(f"warning: W&B online init failed ({one_line(e)}); logging offline")
             self.mode = "offline"
             try:
@@ -382,77 +305,6 @@ class WandbLogger(RunLogger):
         self._guard("summary", lambda run: run.summary.update({k: _scalar(v) for k, v in values.items()}))
 
 
-def settle_offline(mode: str, exit_code: int, log: Log) -> None:
-    """After ``run.finish()`` of an offline run: wait for wandb's service to write the last records
-    of the .wandb file (the only copy of an offline run's data), which it does after ``finish``
-    returns (a busy machine's test lost the figures' record in 8 of 12 tries). wandb's teardown
-    does that wait; wandb runs it at exit, but not reliably in worker processes (Hydra's joblib
-    launcher). Offline only: there is no network to wait for, and an online run's data is uploaded
-    by ``finish`` already. A teardown that fails, or would exit the process, is one warning."""
-    if mode != "offline":
-        return
-    import wandb
-
-    try:
-        wandb.teardown(exit_code=exit_code)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - wandb's teardown sys.exit()s when its service failed
-        log(f"warning: W&B offline teardown failed ({one_line(e)}); check the .wandb file before syncing it")
-
-
-def wandb_init(*, mode: str, dir: Path, **kwargs: Any) -> Any:
-    """``wandb.init`` with posbench's settings (timeouts, silent, no console capture)."""
-    import wandb
-
-    dir.mkdir(parents=True, exist_ok=True)  # wandb warns "git root does not exist" otherwise
-    settings = wandb.Settings(
-        init_timeout=_env_float("WANDB_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT_S),
-        finish_timeout=_env_float("WANDB_FINISH_TIMEOUT", DEFAULT_FINISH_TIMEOUT_S),
-        silent=True,  # no banners or sync hints of wandb's own; we print one line ourselves
-        console="off",  # leave stdout/stderr alone: Hydra's logging and progress bars own them
-        save_code=False,  # the git commit + diff that wandb records and the config identify the code
-    )
-    # reinit="finish_previous": Hydra's basic launcher runs sweep jobs in one process; a run a
-    # crashed job left open is closed instead of being returned again ("return_previous").
-    return wandb.init(mode=mode, dir=str(dir), reinit="finish_previous", settings=settings, **kwargs)
-
-
-def wandb_run_id(run_dir: Path) -> str | None:
-    """The id of the newest W&B run recorded under ``<run_dir>/wandb`` (offline or online), if any."""
-    found = sorted((Path(run_dir) / "wandb").glob("*run-*-*"), key=lambda p: p.stat().st_mtime)
-    found = [p for p in found if p.is_dir()]
-    return found[-1].name.rsplit("-", 1)[-1] if found else None
-
-
-def upload_figures(run_dir: Path, logger_cfg: Mapping[str, Any], paths: Sequence[Path], log: Log,
-                   prefix: str = "figures") -> bool:
-    """Add figures (their .png files) to a finished run's W&B run as ``<prefix>/<name>``: the run
-    is resumed by its id, offline unless credentials exist.
-
-    Only when the run was logged with ``logger=wandb`` (``logger_cfg``: its ``logger`` config
-    section) and left a run id in its ``wandb/`` folder. A failure is one warning line: the
-    figures on disk are the record.
-    """
-    run_id = wandb_run_id(run_dir)
-    if logger_cfg.get("name") != "wandb" or run_id is None:
-        return False
-    mode = resolve_mode(str(logger_cfg.get("mode") or "auto"), log=log)
-    if mode == "disabled":
-        return False
-    try:
-        import wandb
-
-        run = wandb_init(mode=mode, dir=Path(logger_cfg.get("dir") or run_dir), id=run_id, resume="allow",
-                         project=logger_cfg.get("project") or "posbench", entity=logger_cfg.get("entity"))
-        run.log({f"{prefix}/{p.stem}": wandb.Image(str(p)) for p in paths if p.suffix == ".png"})
-        run.finish()
-    except Exception as err:  # noqa: BLE001 - W&B must never cost the figures
-        log(f"warning: W&B logging of the figures failed ({one_line(err)}); they are in the run directory")
-        return False
-    settle_offline(mode, 0, log)
-    log(f"logged {sum(p.suffix == '.png' for p in paths)} figures to W&B run {run_id} ({mode})")
-    return True
-
-
 def _headline_entry(entries: list[dict], band: str, length: int) -> dict | None:
     """The validation entry for a headline band: the one of ``length``, else the shortest having it."""
     found = [e for e in headline_entries(entries) if e.get("split") == "validation" and band in (e.get("bands") or {})]
@@ -489,74 +341,3 @@ def _finite(value: Any) -> float | None:
     """float, or None for NaN/inf (no data at a position) so tables stay valid JSON."""
     value = float(_scalar(value))
     return value if math.isfinite(value) else None
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ[name])
-    except (KeyError, ValueError):
-        return default
-
-
-def wandb_group(experiment: str) -> str:
-    """Runs of one sweep share a W&B group (experiment + sweep folder); single runs group by
-    experiment."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hydra_cfg = HydraConfig.get()
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            return f"{experiment}/{Path(hydra_cfg.sweep.dir).name}"
-    except ValueError:
-        pass
-    return experiment
-
-
-class make_progress:
-    """Progress of the step loop: a tqdm bar on a terminal (loss, tokens/s, ETA); off a
-    terminal (a log file, a batch job) one line every ``every_seconds`` with the step, loss,
-    tokens/s, steps/s and ETA, and one at the last step. Silent when not ``enabled``."""
-
-    def __init__(self, total: int, initial: int, enabled: bool, every_seconds: float = 0.0,
-                 log: Callable[[str], None] | None = None) -> None:
-        terminal = sys.stderr.isatty() and os.environ.get("CI") is None
-        self.enabled = enabled and terminal
-        self.bar = None
-        if self.enabled:
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-        # Off a terminal: timed lines (every_seconds > 0), else the caller's own step lines.
-        self.timed = enabled and not terminal and every_seconds > 0 and log is not None
-        self.total, self.initial, self.every, self.log = total, initial, every_seconds, log
-        self.started = self.last_line = time.monotonic()
-        self.loss, self.tokens_per_second = float("nan"), float("nan")
-
-    def update_to(self, step: int, loss: float, tokens_per_second: float) -> None:
-        self.loss, self.tokens_per_second = loss, tokens_per_second
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:,.0f}")
-
-    def tick(self, step: int) -> None:
-        """Called after every step: off a terminal, a line once ``every_seconds`` have passed
-        since the last one (and at the last step), with the last logged loss and tokens/s."""
-        if not self.timed:
-            return
-        now = time.monotonic()
-        if now - self.last_line < self.every and step < self.total:
-            return
-        self.last_line = now
-        self.log(progress_line(step, self.total, self.loss, self.tokens_per_second,
-                               (step - self.initial) / max(now - self.started, 1e-9)))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-def progress_line(step: int, total: int, loss: float, tokens_per_second: float, steps_per_second: float) -> str:
-    """``step 120/1000 (12%) loss 4.1234 52,000 tok/s 3.10 steps/s ETA 04:44``."""
-    eta = tqdm.format_interval((total - step) / steps_per_second) if steps_per_second > 0 else "?"
-    return (f"step {step}/{total} ({100 * step / max(total, 1):.0f}%) loss {loss:.4f} "
-            f"{tokens_per_second:,.0f} tok/s {steps_per_second:.2f} steps/s ETA {eta}")

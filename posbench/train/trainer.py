@@ -41,10 +41,10 @@ from posbench.model.positions import TrainingPositions
 from posbench.model.transformer import build_model
 from posbench.report.plot import write_run_figures
 from posbench.runs.checkpoint import load_model_weights, rng_state, save_checkpoint, set_rng_state
-from posbench.runs.results import versions
 from posbench.runs.resume import check_resumable, load_resume_state, resolve_run_dir, run_target
 from posbench.runs.rundir import RunDir, RunLocked
 from posbench.runs.runlog import HydraRecord, continue_hint
+from posbench.runs.schema import versions
 from posbench.runs.spec import MethodSpec, build_spec, check_memory_fits
 from posbench.runtime.device import as_posbench_error, autocast_dtype, resolve_device, seed_everything, setup_device
 from posbench.runtime.distributed import (
@@ -59,8 +59,9 @@ from posbench.runtime.distributed import (
 from posbench.runtime.hardware import environment_line, run_environment
 from posbench.runtime.preemption import StopRequest
 from posbench.train import loggers
-from posbench.train.loggers import make_progress, wandb_group
 from posbench.train.optim import TrainStep, compile_model, compiles, micro_batching, total_steps
+from posbench.train.progress import make_progress
+from posbench.train.wandb_session import wandb_group
 from posbench.train.workload import Workload, make_workload
 
 logger = logging.getLogger("posbench")
