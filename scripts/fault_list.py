@@ -23,7 +23,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
-from conftest import QUICK_TRAIN  # noqa: E402
+from helpers import QUICK_TRAIN  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MPLBACKEND": "Agg",
        "PYTHONPATH": str(TESTS)}

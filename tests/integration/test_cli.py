@@ -6,26 +6,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN
+from helpers import ENV, QUICK_TRAIN, posbench_cli, results_of
 
 import posbench
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-
-
-def posbench_cli(*args: str, cwd: Path | None = None, check: bool = True, timeout: int = 600):
-    proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
-                          env=ENV, cwd=cwd, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def results_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())
 
 
 def test_help_lists_every_subcommand():

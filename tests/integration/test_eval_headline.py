@@ -5,46 +5,23 @@ or bad settings are refused in one line. Tiny models, CPU, a few steps."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import QUICK_TRAIN, compose_config
+from helpers import QUICK_TRAIN, QUIET, compose_config, results_of, run_eval, run_train
 
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import headline
 from posbench.runs.spec import build_spec
-from posbench.train.trainer import train
-
-QUIET = lambda _: None  # noqa: E731
-
-
-def run_train(run_dir: Path, *overrides: str, log=QUIET) -> dict:
-    return train(compose_config("train", [*QUICK_TRAIN, *overrides]), run_dir, log=log)
-
-
-def run_eval(run_dir: Path, *overrides: str, log=QUIET) -> dict:
-    from posbench.commands.eval import evaluate_saved_run
-
-    return evaluate_saved_run(compose_config("eval", [f"run={run_dir}", "device=cpu", *overrides]), log=log)
-
-
-def results_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def rope_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished tiny rope run (trained once per module; tests get copies of it)."""
-    run_dir = tmp_path_factory.mktemp("rope") / "run"
-    assert run_train(run_dir, "method=rope")["eval"][0]["num_sequences"] == 4  # the run's own windows
-    return run_dir
 
 
 @pytest.fixture
-def rope_run(rope_once: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(rope_once, tmp_path / "run"))  # each test changes its own copy
+def rope_run(trained_run) -> Path:
+    """A finished tiny rope run of its own for each test (a copy: training once is enough)."""
+    run_dir = trained_run("method=rope")
+    assert results_of(run_dir)["eval"][0]["num_sequences"] == 4  # the run's own windows
+    return run_dir
 
 
 # ------------------------------------------------------ eval never moves the headline
@@ -289,7 +266,7 @@ def test_plot_and_extension_table_read_a_variant_when_asked(rope_run, tmp_path):
     entries = RunRecord(rope_run, view).variant("num_sequences=2").results["eval"]
     assert [(e["length"], e["extension"], e["num_sequences"]) for e in entries] == [
         (length, ext, 2) for length in (64, 128) for ext in ("none", "ntk", "yarn")]
-    main = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "extension_table.py"))["main"]
+    main = runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "extension_table.py"))["main"]
     assert "| yarn |" in main(str(rope_run), "num_sequences=2")
     with pytest.raises(PosbenchError, match="no eval_variants entries labelled 'num_sequences=3'"):
         plot_runs([str(rope_run)], str(out), formats=("png",), log=QUIET, variant="num_sequences=3")

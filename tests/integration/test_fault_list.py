@@ -6,50 +6,27 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import helpers
 import pytest
-from conftest import QUICK_TRAIN, compose_config
+from helpers import ENV, QUICK_TRAIN, QUIET, compose_config, posbench_cli, run_train
 
 from posbench.core.errors import PosbenchError
 from posbench.runs.results import discover_runs, write_status
 from posbench.runs.spec import build_spec
-from posbench.train.trainer import train
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-TESTS = Path(__file__).parent
-QUIET = lambda _: None  # noqa: E731
-
-
-def posbench_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
-                          env=env or ENV, timeout=600)
-
-
-def run_train(run_dir: Path, *overrides: str) -> dict:
-    return train(compose_config("train", [*QUICK_TRAIN, *overrides]), run_dir, log=QUIET)
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def run_eval(run_dir: Path, *overrides: str) -> dict:
-    from posbench.commands.eval import evaluate_saved_run
-
-    cfg = compose_config("eval", [f"run={run_dir}", "eval.num_sequences=2", "eval.batch_size=2", *overrides])
-    return evaluate_saved_run(cfg, log=QUIET)
-
-
-@pytest.fixture(scope="module")
-def trained_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("trained") / "run"
-    run_train(run_dir, "method=alibi")
-    return run_dir
+    return helpers.run_eval(run_dir, "eval.num_sequences=2", "eval.batch_size=2", *overrides)
 
 
 @pytest.fixture
-def trained(trained_once: Path, tmp_path: Path) -> Path:
-    """A finished tiny run of its own for each test (a copy: training once is enough)."""
-    return Path(shutil.copytree(trained_once, tmp_path / "run"))
+def trained(trained_run) -> Path:
+    """A finished tiny alibi run of its own for each test (a copy: training once is enough)."""
+    return trained_run("method=alibi")
 
 
 def lengths_of(run_dir: Path) -> list[int]:
@@ -68,7 +45,7 @@ def test_a_killed_joblib_job_fails_alone_and_the_sweep_goes_on(tmp_path):
     proc = posbench_cli(
         "train", "-m", *QUICK_TRAIN, "method=rope", "seed=0,1,2", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
         f"hydra.sweep.dir={sweep}", "+hydra.callbacks.killer._target_=fault_callbacks.KillJobMidTraining",
-        "+hydra.callbacks.killer.seed=1", env=env)
+        "+hydra.callbacks.killer.seed=1", env=env, check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "TerminatedWorkerError" not in proc.stderr + proc.stdout
     statuses = {p.name: json.loads((p / "status.json").read_text())["status"]
@@ -180,7 +157,7 @@ def test_bad_values_are_refused_in_one_line(overrides, message):
 
 @pytest.mark.slow
 def test_a_method_option_type_error_is_one_line_on_the_command_line(tmp_path):
-    proc = posbench_cli("train", *QUICK_TRAIN, "method=t5", "method.num_buckets=abc", f"hydra.run.dir={tmp_path}")
+    proc = posbench_cli("train", *QUICK_TRAIN, "method=t5", "method.num_buckets=abc", f"hydra.run.dir={tmp_path}", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "posbench train: error: method.num_buckets must be an integer, got 'abc'" in proc.stderr
 
@@ -202,7 +179,7 @@ def test_a_text_file_without_separators_gets_the_separator_fix(tmp_path):
 
 @pytest.mark.slow
 def test_a_glob_matching_no_method_fails_the_sweep(tmp_path):
-    proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=glob(xyz*)", f"hydra.sweep.dir={tmp_path}")
+    proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=glob(xyz*)", f"hydra.sweep.dir={tmp_path}", check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "posbench train: error: method=glob(xyz*) matches no option" in proc.stderr
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICK_TRAIN, compose_config
+from helpers import QUICK_TRAIN, QUIET, compose_config, interrupted, results_of, run_eval, run_train, status_of
 from omegaconf import OmegaConf
 
 from posbench.core.errors import PosbenchError
@@ -21,28 +21,11 @@ from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
 from posbench.runs.resume import check_resumable
 from posbench.runs.rundir import RunLock
 from posbench.runs.spec import build_spec
-from posbench.train.trainer import Trainer, TrainingInterrupted, train
+from posbench.train.trainer import Trainer
 
 
-def run_train(run_dir: Path, *overrides: str, log=lambda _: None) -> dict:
-    return train(compose_config("train", [*QUICK_TRAIN, *overrides]), run_dir, log=log)
-
-
-def interrupted_run(run_dir: Path, *overrides: str, at: int = 4) -> None:
-    with pytest.raises(TrainingInterrupted):
-        run_train(run_dir, *overrides, f"trainer.stop_after_steps={at}")
-
-
-def status_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "status.json").read_text())
-
-
-def evaluate(run_dir: Path, log=lambda _: None) -> dict:
-    from posbench.commands.eval import evaluate_saved_run
-
-    cfg = compose_config("eval", [f"run={run_dir}", "eval.lengths=[64]", "eval.num_sequences=4",
-                                  "eval.batch_size=4", "device=cpu"])
-    return evaluate_saved_run(cfg, log=log)
+def evaluate(run_dir: Path, log=QUIET) -> dict:
+    return run_eval(run_dir, "eval.lengths=[64]", "eval.num_sequences=4", "eval.batch_size=4", log=log)
 
 
 # -------------------------------------------------- a stop after the final checkpoint
@@ -71,7 +54,7 @@ def test_posbench_eval_finishes_a_run_that_has_no_results_yet(tmp_path):
 
 
 def test_posbench_eval_refuses_a_run_with_steps_left_to_train(tmp_path):
-    interrupted_run(tmp_path, "method=nope", at=2)
+    interrupted(tmp_path, "method=nope", at=2)
     with pytest.raises(PosbenchError, match="stopped at step 2 of 6; finish training it first"):
         evaluate(tmp_path)
     assert status_of(tmp_path)["status"] == "interrupted" and not (tmp_path / "refused.json").exists()
@@ -121,7 +104,7 @@ def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
 
 
 def test_resume_lists_every_difference_of_model_options_and_trainer(tmp_path):
-    interrupted_run(tmp_path, "method=rope", at=2)
+    interrupted(tmp_path, "method=rope", at=2)
     with pytest.raises(PosbenchError) as refused:
         run_train(tmp_path, "method=rope", "model.n_heads=2", "method.base=500", "trainer.lr=0.5")
     message = str(refused.value)
@@ -131,7 +114,7 @@ def test_resume_lists_every_difference_of_model_options_and_trainer(tmp_path):
 
 
 def test_resume_refuses_other_data(tmp_path):
-    interrupted_run(tmp_path, "method=nope", at=2)
+    interrupted(tmp_path, "method=nope", at=2)
     state = read_checkpoint(list_checkpoints(tmp_path)[-1])
     spec = build_spec(compose_config("train", [*QUICK_TRAIN, "method=nope"]))
     spec.model.vocab_size = state["model_config"]["vocab_size"]
@@ -141,7 +124,7 @@ def test_resume_refuses_other_data(tmp_path):
 
 
 def test_resume_refuses_a_change_of_randomized_positions(tmp_path):
-    interrupted_run(tmp_path, "method=rope", "positions.randomize_max=128", at=2)
+    interrupted(tmp_path, "method=rope", "positions.randomize_max=128", at=2)
     with pytest.raises(PosbenchError, match="positions.randomize_max=128, not positions.randomize_max=off"):
         run_train(tmp_path, "method=rope")
 
@@ -150,21 +133,22 @@ def test_resume_refuses_a_change_of_randomized_positions(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_damaged_results_json_is_quarantined_and_recomputed(tmp_path):
-    first = run_train(tmp_path, "method=alibi")
-    (tmp_path / "results.json").write_text('{"schema_version": 1, "meth')
+def test_a_damaged_results_json_is_quarantined_and_recomputed(trained_run):
+    run_dir = trained_run("method=alibi")
+    first = results_of(run_dir)
+    (run_dir / "results.json").write_text('{"schema_version": 1, "meth')
     lines = []
-    again = run_train(tmp_path, "method=alibi", log=lines.append)
-    assert (tmp_path / "results.json.corrupt").exists() and status_of(tmp_path)["status"] == "completed"
+    again = run_train(run_dir, "method=alibi", log=lines.append)
+    assert (run_dir / "results.json.corrupt").exists() and status_of(run_dir)["status"] == "completed"
     assert again["eval"][0]["bands"] == pytest.approx(first["eval"][0]["bands"])
     assert any("moved it aside" in line for line in lines)
-    (tmp_path / "results.json").write_text("[1, 2]")  # valid JSON, not results: eval recomputes too
-    assert evaluate(tmp_path)["eval"][0]["bands"] == pytest.approx(first["eval"][0]["bands"])
+    (run_dir / "results.json").write_text("[1, 2]")  # valid JSON, not results: eval recomputes too
+    assert evaluate(run_dir)["eval"][0]["bands"] == pytest.approx(first["eval"][0]["bands"])
 
 
 @pytest.mark.slow
 def test_a_damaged_metrics_line_does_not_break_resume(tmp_path):
-    interrupted_run(tmp_path, "method=nope")
+    interrupted(tmp_path, "method=nope", at=4)
     metrics = tmp_path / "metrics.jsonl"
     rows = metrics.read_text().splitlines()
     metrics.write_text("\n".join([rows[0], "[1, 2]", "7", *rows[1:]]) + "\n")
@@ -180,7 +164,7 @@ def test_a_damaged_metrics_line_does_not_break_resume(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_with_overwritten_bytes_is_caught_and_the_previous_one_used(tmp_path):
-    interrupted_run(tmp_path, "method=rope", "trainer.checkpoint_every_steps=2")
+    interrupted(tmp_path, "method=rope", "trainer.checkpoint_every_steps=2", at=4)
     newest = list_checkpoints(tmp_path)[-1]
     state = read_checkpoint(newest)["model"]
     tensor = next(t for t in state.values() if t.dtype == torch.float32 and t.numel() >= 64)
@@ -248,7 +232,7 @@ def test_out_of_memory_and_a_full_disk_end_in_one_line(tmp_path, monkeypatch, er
 
 @pytest.mark.slow
 def test_stray_temporary_files_of_a_killed_write_are_removed_at_the_next_start(tmp_path):
-    interrupted_run(tmp_path, "method=nope")
+    interrupted(tmp_path, "method=nope", at=4)
     stray = [tmp_path / "checkpoints" / ".tmp-step_00000006.pt.x1y2", tmp_path / ".tmp-results.json.abcd"]
     for path in stray:
         path.write_bytes(b"\0" * 1000)

@@ -8,18 +8,10 @@ import errno
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-
-
-def posbench_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
-                          env=ENV, timeout=600, cwd=cwd)
+from helpers import QUICK_TRAIN, posbench_cli, snapshot
 
 
 def one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
@@ -29,10 +21,6 @@ def one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
     errors = [line for line in proc.stderr.splitlines() if line.startswith(f"posbench {command}: error:")]
     assert len(errors) == 1, proc.stderr[-2000:]
     return errors[0]
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 # ---------------------------------------------------- an output folder that is a file
@@ -50,7 +38,7 @@ def test_an_output_folder_naming_an_existing_file_is_one_line(tmp_path, command,
     file = tmp_path / "a_file"
     file.write_text("keep me\n")
     args = [a.format(file=file, folder=tmp_path) for a in args]
-    line = one_error_line(posbench_cli(command, *args, cwd=tmp_path), command)
+    line = one_error_line(posbench_cli(command, *args, cwd=tmp_path, check=False), command)
     assert f"{key}={file}" in line and "file, not a folder" in line and f"choose another {key}" in line
     assert file.read_text() == "keep me\n"
 
@@ -74,7 +62,8 @@ def test_a_start_refused_by_the_lock_leaves_nothing_in_the_run(tmp_path):
     assert "training alibi-s0" in (run_dir / "train.log").read_text()
     before = snapshot(run_dir)
     with RunLock(run_dir):  # another process holds the run
-        refused = posbench_cli("train", *QUICK_TRAIN, "method=rope", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        refused = posbench_cli("train", *QUICK_TRAIN, "method=rope", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                               check=False)
         held = snapshot(run_dir)
     assert "is in use by another posbench process" in one_error_line(refused, "train")
     assert held.keys() - before.keys() <= {".posbench.pid"}  # the holder's own PID file
@@ -83,18 +72,18 @@ def test_a_start_refused_by_the_lock_leaves_nothing_in_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_a_config_typo_leaves_no_run_directory(tmp_path):
-    line = one_error_line(posbench_cli("train", *QUICK_TRAIN, "trainer.lr=abc", cwd=tmp_path), "train")
+    line = one_error_line(posbench_cli("train", *QUICK_TRAIN, "trainer.lr=abc", cwd=tmp_path, check=False), "train")
     assert "trainer.lr must be a number, got 'abc'" in line
     assert not (tmp_path / "outputs").exists()
     deep = tmp_path / "new" / "deeper" / "run"
-    one_error_line(posbench_cli("train", *QUICK_TRAIN, "+optimizer=adam", f"hydra.run.dir={deep}"), "train")
+    one_error_line(posbench_cli("train", *QUICK_TRAIN, "+optimizer=adam", f"hydra.run.dir={deep}", check=False), "train")
     assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.slow
 def test_a_config_typo_in_an_existing_folder_is_recorded_there(tmp_path):
     """A folder that was there before the start is not removed: the failure is recorded in it."""
-    one_error_line(posbench_cli("train", *QUICK_TRAIN, "trainer.lr=abc", f"hydra.run.dir={tmp_path}"), "train")
+    one_error_line(posbench_cli("train", *QUICK_TRAIN, "trainer.lr=abc", f"hydra.run.dir={tmp_path}", check=False), "train")
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["status"] == "failed" and "trainer.lr must be a number" in status["error"]
 
@@ -148,7 +137,7 @@ def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_che
     status.json, which already exists."""
     import tempfile
 
-    from conftest import compose_config
+    from helpers import compose_config
 
     import posbench.core.io
     import posbench.runs.checkpoint
@@ -239,7 +228,7 @@ def test_the_log_file_keeps_lines_until_the_run_is_held_and_never_writes_dropped
 
 
 def test_a_config_error_next_to_a_run_another_process_holds_writes_nothing_there(tmp_path):
-    from conftest import compose_config
+    from helpers import compose_config
 
     from posbench.core.errors import PosbenchError
     from posbench.runs.results import write_status

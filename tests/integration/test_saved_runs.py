@@ -13,28 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import QUICK_TRAIN, compose_config
+from helpers import results_of, run_eval, run_train
 
 from posbench.core.errors import PosbenchError
 from posbench.core.io import file_sha256
 from posbench.runs.checkpoint import checksum_path, list_checkpoints
-from posbench.train.trainer import train
-
-QUIET = lambda _: None  # noqa: E731
-
-
-def run_train(run_dir: Path, *overrides: str, log=QUIET, **kwargs) -> dict:
-    return train(compose_config("train", [*QUICK_TRAIN, *overrides]), run_dir, log=log, **kwargs)
-
-
-def run_eval(run_dir: Path, *overrides: str, log=QUIET) -> dict:
-    from posbench.commands.eval import evaluate_saved_run
-
-    return evaluate_saved_run(compose_config("eval", [f"run={run_dir}", "device=cpu", *overrides]), log=log)
-
-
-def results_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())
 
 
 def rewrite_records(run_dir: Path, change) -> None:
@@ -152,11 +135,10 @@ def test_an_auto_run_of_unknown_precision_is_never_the_same(bf16_run):
     (["method=rope", "trainer.lr=abc"], "trainer.lr"),  # refused before the lock
 ])
 @pytest.mark.slow
-def test_a_refused_start_leaves_the_runs_hydra_record_and_log(tmp_path, overrides, message):
+def test_a_refused_start_leaves_the_runs_hydra_record_and_log(trained_run, overrides, message):
     from posbench.runs.runlog import DeferredFileHandler, HydraRecord
 
-    run_dir = tmp_path / "run"
-    run_train(run_dir, "method=rope")
+    run_dir = trained_run("method=rope")
     (run_dir / ".hydra").mkdir()
     (run_dir / ".hydra" / "overrides.yaml").write_text("- method=rope\n")
     (run_dir / "train.log").write_text("the run's own log\n")
@@ -190,9 +172,9 @@ def test_a_failed_start_in_a_fresh_directory_keeps_its_hydra_record(tmp_path):
 
 
 @pytest.mark.slow
-def test_posbench_eval_finishes_a_run_recorded_with_a_data_path_its_source_ignores(tmp_path):
-    run_dir = tmp_path / "run"
-    bands = run_train(run_dir, "method=nope")["eval"][0]["bands"]
+def test_posbench_eval_finishes_a_run_recorded_with_a_data_path_its_source_ignores(trained_run, tmp_path):
+    run_dir = trained_run("method=nope")
+    bands = results_of(run_dir)["eval"][0]["bands"]
 
     def add_ignored_path(config: dict, options: dict) -> None:
         config["data"]["path"] = "/no/such/folder"  # as data=sample plus a data.path recorded it

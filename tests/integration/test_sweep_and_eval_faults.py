@@ -6,51 +6,20 @@ lines off a terminal. Tiny models on the CPU; the CLI runs in a subprocess where
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import helpers
 import pytest
-from conftest import QUICK_TRAIN, compose_config
+from helpers import QUICK_TRAIN, QUIET, compose_config, interrupted, posbench_cli, run_train, snapshot, status_of
 from omegaconf import OmegaConf
 
 from posbench.core.errors import PosbenchError
 from posbench.train.trainer import TrainingInterrupted, train
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
 
-
-def posbench_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
-                          env=ENV, timeout=600, cwd=cwd)
-
-
-def run_train(run_dir: Path, *overrides: str, log=lambda _: None) -> dict:
-    return train(compose_config("train", [*QUICK_TRAIN, *overrides]), run_dir, log=log)
-
-
-def run_eval(run_dir: Path, *overrides: str, log=lambda _: None) -> dict:
-    from posbench.commands.eval import evaluate_saved_run
-
-    cfg = compose_config("eval", [f"run={run_dir}", "eval.num_sequences=4", "eval.batch_size=4", "device=cpu",
-                                  *overrides])
-    return evaluate_saved_run(cfg, log=log)
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under ``folder`` (names and bytes): what a command must leave as it was."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def status_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "status.json").read_text())
-
-
-def interrupted(run_dir: Path, *overrides: str, at: int = 2) -> None:
-    with pytest.raises(TrainingInterrupted):
-        run_train(run_dir, *overrides, f"trainer.stop_after_steps={at}")
+def run_eval(run_dir: Path, *overrides: str, log=QUIET) -> dict:
+    return helpers.run_eval(run_dir, "eval.num_sequences=4", "eval.batch_size=4", *overrides, log=log)
 
 
 # ----------------------------------------------------------------------------- a sweep continued with trainer.resume
@@ -61,13 +30,13 @@ def test_an_interrupted_sweep_names_its_sweep_dir_and_the_same_command_continues
     """The hint of a stopped sweep job is the sweep's, not ``trainer.resume=<job dir>`` (which
     would send every job of the sweep into that one run)."""
     sweep = ["train", "-m", *QUICK_TRAIN, "method=rope", "seed=0,1"]
-    stopped = posbench_cli(*sweep, "trainer.stop_after_steps=2", cwd=tmp_path)
+    stopped = posbench_cli(*sweep, "trainer.stop_after_steps=2", cwd=tmp_path, check=False)
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     hint = re.search(r"continue the sweep with the same command plus hydra\.sweep\.dir=(\S+)", stopped.stderr)
     assert hint and "trainer.resume" not in stopped.stderr, stopped.stderr[-2000:]
     sweep_dir = Path(hint.group(1))
     assert (sweep_dir / "0_rope-s0" / "checkpoints").is_dir()
-    finished = posbench_cli(*sweep, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+    finished = posbench_cli(*sweep, f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, check=False)
     assert finished.returncode == 0, finished.stderr[-2000:]
     first = json.loads((sweep_dir / "0_rope-s0" / "results.json").read_text())
     assert first["train"]["resumed_from_step"] == 2
@@ -90,7 +59,7 @@ def test_a_sweep_sharing_one_runs_trainer_resume_is_refused_before_any_job(tmp_p
     before = snapshot(old)
     sweep_dir = tmp_path / "new"
     proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=alibi,nope", f"trainer.resume={old}",
-                        f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path)
+                        f"hydra.sweep.dir={sweep_dir}", cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("posbench train: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -144,18 +113,10 @@ def test_a_sweep_job_that_continued_its_own_run_elsewhere_counts_as_finished(tmp
 # ----------------------------------------------------------------------------- a damaged results.json, eval, viz
 
 
-@pytest.fixture(scope="module")
-def finished_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("finished") / "run"
-    run_train(run_dir, "method=alibi", "eval.num_sequences=4")
-    return run_dir
-
-
 @pytest.fixture
-def finished(finished_once: Path, tmp_path: Path) -> Path:
-    import shutil
-
-    return Path(shutil.copytree(finished_once, tmp_path / "run"))
+def finished(trained_run) -> Path:
+    """A finished tiny alibi run of its own for each test (a copy: training once is enough)."""
+    return trained_run("method=alibi")
 
 
 @pytest.mark.slow

@@ -11,17 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICK_TRAIN, compose_config
+from helpers import QUICK_TRAIN, compose_config, results_of, run_train
 
 from posbench.core.errors import PosbenchError
 from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
 from posbench.runs.spec import build_spec
 from posbench.train.optim import lr_lambda
 from posbench.train.trainer import TrainingInterrupted, train
-
-
-def run_train(run_dir: Path, *overrides: str) -> dict:
-    return train(compose_config("train", [*QUICK_TRAIN, *overrides]), run_dir, log=lambda _: None)
 
 
 def test_train_writes_a_complete_run_directory(tmp_path):
@@ -172,10 +168,10 @@ def test_resume_from_an_explicit_run_directory(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_false_refuses_to_overwrite_a_run(tmp_path):
-    run_train(tmp_path, "method=nope")
+def test_resume_false_refuses_to_overwrite_a_run(trained_run):
+    run_dir = trained_run("method=nope")
     with pytest.raises(PosbenchError, match="already has checkpoints"):
-        run_train(tmp_path, "method=nope", "trainer.resume=false")
+        run_train(run_dir, "method=nope", "trainer.resume=false")
 
 
 def test_resuming_another_methods_run_is_refused(tmp_path):
@@ -186,14 +182,15 @@ def test_resuming_another_methods_run_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_relaunching_a_finished_run_leaves_its_results_alone(tmp_path):
-    first = run_train(tmp_path, "method=alibi")
-    before = (tmp_path / "results.json").read_text()
-    metrics_before = (tmp_path / "metrics.jsonl").read_text()
-    again = run_train(tmp_path, "method=alibi")
-    assert again == json.loads(json.dumps(first))
-    assert (tmp_path / "results.json").read_text() == before
-    assert (tmp_path / "metrics.jsonl").read_text() == metrics_before
+def test_relaunching_a_finished_run_leaves_its_results_alone(trained_run):
+    run_dir = trained_run("method=alibi")
+    first = results_of(run_dir)
+    before = (run_dir / "results.json").read_text()
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    again = run_train(run_dir, "method=alibi")
+    assert again == first
+    assert (run_dir / "results.json").read_text() == before
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
 
 
 @pytest.mark.slow
@@ -227,8 +224,8 @@ def test_eval_split_train_reproduces_the_seed_measurement(tmp_path):
     assert results["eval"][0]["split"] == "train"
 
 
-def test_results_record_the_software_versions(tmp_path):
-    results = run_train(tmp_path, "method=nope")
+def test_results_record_the_software_versions(trained_run):
+    results = results_of(trained_run("method=nope"))
     assert results["versions"]["torch"] == torch.__version__ and results["versions"]["posbench"]
 
 

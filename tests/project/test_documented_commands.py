@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDER = "x"
 ASSIGNMENT = re.compile(r"^(?:export\s+)?(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s*)+$")

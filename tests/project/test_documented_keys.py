@@ -13,12 +13,12 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from helpers import compose_config
 from omegaconf import OmegaConf
 
 from posbench.config import config_names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 GROUP_HEADING = re.compile(r"^\*\*`([a-z_]+)`\*\*")
 NAME = re.compile(r"`([A-Za-z_][A-Za-z0-9_.]*)`")

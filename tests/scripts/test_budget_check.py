@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "budget_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "budget_check.py"
 spec = importlib.util.spec_from_file_location("budget_check", SCRIPT)
 budget_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(budget_check)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_results.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_results.py"
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "import_graph.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "import_graph.py"
 
 
 def load_script():

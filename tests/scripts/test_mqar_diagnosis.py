@@ -14,7 +14,7 @@ import torch
 
 from posbench.tasks.base import make_task
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "mqar_diagnosis.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "mqar_diagnosis.py"
 spec = importlib.util.spec_from_file_location("mqar_diagnosis", SCRIPT)
 mqar_diagnosis = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mqar_diagnosis)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "results_table.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "results_table.py"
 spec = importlib.util.spec_from_file_location("results_table", SCRIPT)
 results_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(results_table)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import compose_config
+from helpers import compose_config
 from omegaconf import OmegaConf
 
 from posbench.config import config_dir, config_names

@@ -19,7 +19,7 @@ from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, PreparedData, prepare_data, tokenize_with
 from posbench.data.synthetic import generate_stories
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "data"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "data"
 
 
 def synth_cfg(cache: Path, **overrides) -> DataConfig:

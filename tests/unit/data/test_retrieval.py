@@ -55,7 +55,7 @@ def test_rate_zero_is_bitwise_todays_batches(prepared) -> None:
 
 
 def test_a_composed_run_has_it_off_and_the_option_reaches_the_spec() -> None:
-    from conftest import compose_config
+    from helpers import compose_config
 
     from posbench.runs.spec import build_spec
 
@@ -189,7 +189,7 @@ def test_the_resume_check_sees_the_option(prepared) -> None:
 
 
 def test_a_task_run_refuses_the_option() -> None:
-    from conftest import compose_config
+    from helpers import compose_config
 
     from posbench.runs.spec import build_spec
 

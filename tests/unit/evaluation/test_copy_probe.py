@@ -386,7 +386,7 @@ def test_merge_keeps_other_probe_entries() -> None:
 
 @pytest.mark.slow
 def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
-    from conftest import QUICK_TRAIN, compose_config
+    from helpers import QUICK_TRAIN, compose_config
 
     from posbench.commands.eval import evaluate_saved_run
     from posbench.runs.results import read_results
@@ -488,10 +488,9 @@ def test_a_probe_measured_otherwise_is_kept_beside_the_runs_entry() -> None:
 def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -> None:
     """A run with a validation and a test entry counts once per line (no t-interval across its
     own two entries); entries on other windows are their own line, never pooled."""
-    from test_compare import make_run
-
     from posbench.report.probes import cell_intervals, copy_markdown, probe_groups
     from posbench.runs.results import discover_runs, write_results
+    from unit.report.test_compare import make_run
 
     for seed, probes in ((0, [fake_probe_entry(1.0), fake_probe_entry(2.0, split="test")]),
                          (1, [fake_probe_entry(1.2), fake_probe_entry(0.2, windows="w8", num_windows=8,
@@ -514,7 +513,7 @@ def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, 
     """``posbench eval probes_only=true``: the copy probe on a finished run without re-running its
     loss curves; the run's eval entries (its headline) stay byte for byte; without a probe named
     it is one clear line."""
-    from conftest import QUICK_TRAIN, compose_config
+    from helpers import QUICK_TRAIN, compose_config
 
     from posbench.commands.eval import evaluate_saved_run
     from posbench.runs.results import read_results
@@ -544,12 +543,11 @@ def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, 
 def test_entries_written_before_the_matched_control_load_without_a_retrieval_gain(tmp_path: Path) -> None:
     """A results.json entry without the matched control (its ``gain`` is the sensitivity) loads
     everywhere, and is shown as lacking the retrieval gain and the reach, never as having them."""
-    from test_compare import make_run
-
     from posbench.evaluation.probes.copy import entry_reach, format_gains, has_matched
     from posbench.report.probes import cell_intervals, copy_csv, copy_markdown, mean_reach
     from posbench.report.probes import probe_groups as groups_of
     from posbench.runs.results import discover_runs, write_results
+    from unit.report.test_compare import make_run
 
     old = fake_probe_entry(1.0, matched=False)
     assert not has_matched(old) and entry_reach(old, "random") is None and mean_reach([old], "random") is None
@@ -588,7 +586,7 @@ def test_a_stored_entry_of_the_previous_format_loads() -> None:
     from posbench.evaluation.probes.copy import entry_reach, has_matched
     from posbench.report.probes import copy_markdown
 
-    stored = Path(__file__).resolve().parents[1] / "docs" / "cpu_quick" / "runs" / "rope-s0" / "results.json"
+    stored = Path(__file__).resolve().parents[3] / "docs" / "cpu_quick" / "runs" / "rope-s0" / "results.json"
     (entry,) = [e for e in json.loads(stored.read_text())["probes"] if e.get("extension", "none") == "none"]
     assert not has_matched(entry) and entry["reach"]["random"] == 0  # its stored reach followed the old definition
     assert entry_reach(entry, "random") is None and "retrieval" not in " ".join(probe_summary([entry]))

@@ -266,7 +266,7 @@ def test_window_stride_above_the_context_is_capped_and_logged() -> None:
 
 
 def test_a_run_evaluates_on_training_text_with_the_configured_stride(tmp_path) -> None:
-    from conftest import QUICK_TRAIN, compose_config
+    from helpers import QUICK_TRAIN, compose_config
 
     from posbench.runs.results import read_results
     from posbench.train.trainer import train
@@ -282,7 +282,7 @@ def test_a_run_evaluates_on_training_text_with_the_configured_stride(tmp_path) -
 
 @pytest.mark.parametrize("override", ["eval.window_stride=0", "eval.effective_length_eps=-1"])
 def test_bad_eval_options_are_refused(override: str) -> None:
-    from conftest import QUICK_TRAIN, compose_config
+    from helpers import QUICK_TRAIN, compose_config
 
     from posbench.runs.spec import build_spec
 

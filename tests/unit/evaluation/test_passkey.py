@@ -163,7 +163,7 @@ PASSKEY = ["eval.passkey.lengths=[64,96]", "eval.passkey.depths=[0.0,1.0]", "eva
 
 @pytest.mark.slow
 def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_path) -> None:
-    from conftest import QUICK_TRAIN, compose_config
+    from helpers import QUICK_TRAIN, compose_config
 
     from posbench.commands.eval import evaluate_saved_run
     from posbench.runs.results import read_results
@@ -190,7 +190,7 @@ def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_pa
 
 @pytest.mark.slow
 def test_training_with_retrieval_inserts_and_records_it(tmp_path) -> None:
-    from conftest import QUICK_TRAIN, compose_config
+    from helpers import QUICK_TRAIN, compose_config
 
     from posbench.runs.results import read_results
     from posbench.train.trainer import train

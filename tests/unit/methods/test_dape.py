@@ -8,8 +8,15 @@ import math
 
 import pytest
 import torch
-from conftest import assert_matches_reference, causal, full_scores, make_method, qk
-from model_checks import alibi_bias, check_causal_and_trained
+from model_checks import (
+    alibi_bias,
+    assert_matches_reference,
+    causal,
+    check_causal_and_trained,
+    full_scores,
+    make_method,
+    qk,
+)
 
 import posbench
 from posbench.core.errors import PosbenchError

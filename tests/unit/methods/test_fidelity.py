@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICK_TRAIN, assert_matches_reference, compose_config
+from helpers import QUICK_TRAIN, compose_config
+from model_checks import assert_matches_reference
 
 import posbench
 from posbench.config import load_group_option
@@ -170,7 +171,7 @@ def test_training_logs_position_parameter_norms_and_movement_at_each_validation(
     # scripts/position_drift.py (for runs trained before the logging) gives the same numbers.
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("position_drift", Path(__file__).parents[1] / "scripts" / "position_drift.py")
+    spec = importlib.util.spec_from_file_location("position_drift", Path(__file__).parents[3] / "scripts" / "position_drift.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     (row,) = [r for r in script.drift_rows(tmp_path, []) if r["step"] == 6]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_causal_model, assert_matches_reference
+from model_checks import assert_causal_model, assert_matches_reference
 
 import posbench
 from posbench.core.errors import PosbenchError
@@ -95,7 +95,7 @@ def test_bad_train_context_rejected(bad):
 def test_a_run_cuts_at_its_own_training_context():
     """hope's train_context was a fixed 256 that nothing tied to trainer.context: a task run
     (C = 64) silently kept a pair that never turns within its context. A run now fills it."""
-    from conftest import compose_config
+    from helpers import compose_config
 
     from posbench.runs.spec import build_spec
 

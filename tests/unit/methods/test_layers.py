@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_causal_model, assert_matches_reference
+from model_checks import assert_causal_model, assert_matches_reference
 from omegaconf import OmegaConf
 
 import posbench
@@ -248,7 +248,7 @@ def test_viz_draws_a_schedule_layer_by_layer(tmp_path):
     """viz probes every layer: a pattern whose content-free layer comes first is still content
     dependent (fox), layers without a score term draw zero, and swan's q.k decay is one curve per
     distinct layer (NoPE's flat line, RoPE's decay)."""
-    from conftest import compose_config
+    from helpers import compose_config
 
     from posbench.viz.command import is_content_dependent, qk_decay, run_viz
 

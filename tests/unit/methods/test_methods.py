@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_matches_reference, causal, full_scores, layer_input, methods_with, qk
+from model_checks import assert_matches_reference, causal, full_scores, layer_input, methods_with, qk
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_half

@@ -9,8 +9,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_matches_reference, causal, full_scores, layer_input, make_method, qk
-from model_checks import check_causal_and_trained
+from model_checks import (
+    assert_matches_reference,
+    causal,
+    check_causal_and_trained,
+    full_scores,
+    layer_input,
+    make_method,
+    qk,
+)
 
 from posbench.core.errors import PosbenchError
 from posbench.methods import method_class

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_causal_model, assert_matches_reference
+from model_checks import assert_causal_model, assert_matches_reference
 
 import posbench
 from posbench.core.errors import PosbenchError

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_matches_reference, causal, full_scores, qk
-from conftest import make_method as make
+from model_checks import assert_matches_reference, causal, full_scores, qk
+from model_checks import make_method as make
 
 import posbench
 from posbench.methods import ModelDims, build_method

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import assert_matches_reference, causal, full_scores, layer_input, qk
-from conftest import dense_term as dense
-from conftest import make_method as make
+from model_checks import assert_matches_reference, causal, full_scores, layer_input, qk
+from model_checks import dense_term as dense
+from model_checks import make_method as make
 
 import posbench
 from posbench.core.errors import PosbenchError

@@ -7,8 +7,17 @@ import math
 
 import pytest
 import torch
-from conftest import assert_matches_reference, causal, full_scores, make_method, qk
-from model_checks import alibi_bias, check_causal_and_trained, ids, small_model
+from model_checks import (
+    alibi_bias,
+    assert_matches_reference,
+    causal,
+    check_causal_and_trained,
+    full_scores,
+    ids,
+    make_method,
+    qk,
+    small_model,
+)
 from torch import nn
 
 import posbench

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_causal_model, assert_matches_reference
+from model_checks import assert_causal_model, assert_matches_reference
 from torch import nn
 
 import posbench

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from conftest import assert_matches_reference
-from conftest import make_method as make
+from model_checks import assert_matches_reference
+from model_checks import make_method as make
 from torch import nn
 
 import posbench

@@ -271,8 +271,7 @@ def test_position_is_restored_when_evaluation_fails():
 def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
     import json
 
-    from conftest import QUICK_TRAIN
-    from test_cli import posbench_cli
+    from helpers import QUICK_TRAIN, posbench_cli
 
     run = tmp_path / "run"
     posbench_cli("train", *QUICK_TRAIN, "method=rope", f"hydra.run.dir={run}")

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_causal_model, assert_matches_reference
+from model_checks import assert_causal_model, assert_matches_reference
 
 import posbench
 from posbench.config.settings import EvalConfig, ReRoPEConfig, SelfExtendConfig, from_section

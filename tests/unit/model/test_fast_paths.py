@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_method as make
-from conftest import qk
+from model_checks import make_method as make
+from model_checks import qk
 
 from posbench.methods import DenseScore, dense_score
 from posbench.model.attention import (
@@ -33,7 +33,7 @@ from posbench.model.attention import (
 from posbench.model.transformer import ModelConfig, build_model, chunked_lm_loss, lm_loss
 
 FAST_METHODS = ["fire", "sandwich", "t5", "relative", "fox"]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def tiny_model(method: str, attention: str = "eager", **options):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_matches_reference
+from model_checks import assert_matches_reference
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 

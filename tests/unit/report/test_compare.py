@@ -163,7 +163,7 @@ def test_a_single_seed_is_widened_by_the_seed_spread_of_the_others(three_seeds: 
     assert abs(pair.difference.mean) > 0.3  # 0.4 nats apart, and still no verdict from one seed
 
 
-COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "cpu_quick" / "runs"
+COMMITTED = Path(__file__).resolve().parents[3] / "docs" / "cpu_quick" / "runs"
 
 
 def test_committed_runs_one_seed_orders_nothing() -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_compare import C, entry, make_run, per_sequence
 
 from posbench.evaluation.loss import curve_summary
 from posbench.runs.results import discover_runs, write_results
+from unit.report.test_compare import C, entry, make_run, per_sequence
 
 
 def long_entry(method: str, seed: int, length: int = 1024, **extra: object) -> dict:

@@ -7,14 +7,11 @@ import csv
 import io
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config, posbench_cli
 
 from posbench.config.settings import EvalConfig, from_section
 from posbench.core.errors import PosbenchError
@@ -30,7 +27,6 @@ from posbench.train.trainer import train
 
 C = 32
 TASKS = {"flipflop": {}, "assoc_recall": {"num_pairs": 4, "num_keys": 32, "num_values": 16}, "copy": {"num_symbols": 8}}
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
 
 
 def task(name: str, **options):
@@ -322,14 +318,6 @@ def test_bad_task_options_are_one_line(section, message):
         make_task(section, C)
     assert "\n" not in str(err.value)
     assert list_tasks() == ["flipflop", "assoc_recall", "copy"]
-
-
-def posbench_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True, env=ENV,
-                          timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return proc
 
 
 QUICK_TASK = ["logger=none", "trainer.context=32", "trainer.max_steps=4", "trainer.batch_size=8", "trainer.log_every=2",

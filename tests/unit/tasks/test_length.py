@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config
 
 from posbench.config.settings import EvalConfig
 from posbench.core.errors import PosbenchError
@@ -313,7 +313,7 @@ def test_a_copy_checkpoint_from_before_shifted_training_still_resumes():
     """copy gained ``task.shifted_training`` (default false); the resume identity of a default copy
     run must equal the one recorded before the option existed, or every earlier copy checkpoint is
     refused. A run that switches it on is another data stream and keeps a different identity."""
-    from conftest import compose_config
+    from helpers import compose_config
 
     from posbench.runs.spec import build_spec
     from posbench.train.task_workload import TaskWorkload

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config
 
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.tasks import sequence_accuracy, task_entry

@@ -13,9 +13,9 @@ import pytest
 
 wandb = pytest.importorskip("wandb")
 
-from posbench.train import loggers  # noqa: E402
 from posbench.config import load_group_option  # noqa: E402
 from posbench.core.errors import PosbenchError  # noqa: E402
+from posbench.train import loggers  # noqa: E402
 from posbench.train.loggers import NullLogger, WandbLogger, make_logger  # noqa: E402
 
 CONFIG = {"method": {"name": "rope", "base": 10000.0}, "model": {"d_model": 64}, "seed": 0}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from conftest import compose_config
+from helpers import compose_config
 
 from posbench.runs.spec import build_spec
 from posbench.tasks import IGNORE

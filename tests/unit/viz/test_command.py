@@ -3,14 +3,11 @@ command end to end (method=<name> without training, run=<tiny trained run>, a sw
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICK_TRAIN, compose_config
+from helpers import QUICK_TRAIN, compose_config, posbench_cli
 
 import posbench
 from posbench.core.errors import PosbenchError
@@ -28,7 +25,6 @@ from posbench.viz.command import (
     score_curves,
 )
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
 DIMS = ModelDims(d_model=32, n_heads=4, n_layers=2)
 
 
@@ -146,14 +142,6 @@ def test_wandb_run_id_is_read_from_the_run_dir(tmp_path):
 
 
 # --------------------------------------------------------------------------- the command
-
-
-def posbench_cli(*args: str, check: bool = True):
-    proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", *args], capture_output=True, text=True,
-                          env=ENV, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return proc
 
 
 @pytest.mark.slow
