@@ -509,18 +509,16 @@ def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(tmp_path, monkeypatch) -> None:
+def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(trained_run, monkeypatch) -> None:
     """``posbench eval probes_only=true``: the copy probe on a finished run without re-running its
     loss curves; the run's eval entries (its headline) stay byte for byte; without a probe named
     it is one clear line."""
-    from helpers import QUICK_TRAIN, compose_config
+    from helpers import compose_config
 
     from posbench.commands.eval import evaluate_saved_run
     from posbench.runs.results import read_results
-    from posbench.train.trainer import train
 
-    run = tmp_path / "run"
-    train(compose_config("train", QUICK_TRAIN), run, log=lambda _: None)
+    run = trained_run("method=rope")
     before = read_results(run)
     assert "probes" not in before
     probe_options = ["eval.probes=[copy]", "eval.copy.distances=[8]", "eval.copy.span=4",
