@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK_TRAIN, compose_config, results_of, run_train
+from helpers import QUICK_TRAIN, compose_config, interrupted, results_of, run_train
 
 from posbench.core.errors import PosbenchError
 from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
@@ -77,8 +77,7 @@ def test_resumed_run_reproduces_the_uninterrupted_run(tmp_path, precision):
 
 @pytest.mark.slow
 def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    with pytest.raises(TrainingInterrupted):
-        run_train(tmp_path, "method=nope", "trainer.checkpoint_every_steps=2", "trainer.stop_after_steps=4")
+    interrupted(tmp_path, "method=nope", "trainer.checkpoint_every_steps=2", at=4)
     newest = list_checkpoints(tmp_path)[-1]
     newest.write_bytes(newest.read_bytes()[:100])  # truncated by a crash
     messages: list[str] = []
@@ -159,8 +158,7 @@ def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes(tmp_path):
 @pytest.mark.slow
 def test_resume_from_an_explicit_run_directory(tmp_path):
     original, elsewhere = tmp_path / "original", tmp_path / "new-invocation"
-    with pytest.raises(TrainingInterrupted):
-        run_train(original, "method=sinusoidal", "trainer.stop_after_steps=3")
+    interrupted(original, "method=sinusoidal", at=3)
     elsewhere.mkdir()
     results = run_train(elsewhere, "method=sinusoidal", f"trainer.resume={original}", "trainer.compile=false")
     assert results["train"]["resumed_from_step"] == 3
@@ -175,8 +173,7 @@ def test_resume_false_refuses_to_overwrite_a_run(trained_run):
 
 
 def test_resuming_another_methods_run_is_refused(tmp_path):
-    with pytest.raises(TrainingInterrupted):
-        run_train(tmp_path, "method=rope", "trainer.stop_after_steps=2")
+    interrupted(tmp_path, "method=rope")
     with pytest.raises(PosbenchError, match="method=rope, not method=alibi"):
         run_train(tmp_path, "method=alibi")
 
@@ -210,8 +207,7 @@ def test_learned_rows_past_the_training_context_stay_at_their_initialisation(tmp
 
 
 def test_resuming_with_a_different_seed_or_batch_is_refused(tmp_path):
-    with pytest.raises(TrainingInterrupted):
-        run_train(tmp_path, "method=rope", "trainer.stop_after_steps=2")
+    interrupted(tmp_path, "method=rope")
     with pytest.raises(PosbenchError, match="seed=0, not seed=1"):
         run_train(tmp_path, "method=rope", "seed=1")
     with pytest.raises(PosbenchError, match="trainer.batch_size=4, not trainer.batch_size=8"):
