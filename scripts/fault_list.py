@@ -23,7 +23,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
-from conftest import QUICK_TRAIN  # noqa: E402
+from helpers import QUICK_TRAIN  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MPLBACKEND": "Agg",
        "PYTHONPATH": str(TESTS)}
@@ -190,7 +190,7 @@ def main() -> None:
     print("# Fault list re-run\n")
     print("Made by `.venv/bin/python scripts/fault_list.py > docs/faults.md`: every case runs the real "
           "`posbench` command on a tiny CPU model. Each case also has a regression test in "
-          "`tests/test_faults.py`.\n")
+          "`tests/integration/test_fault_list.py`.\n")
     print("| kind | case | outcome | what the user gets | s |\n|---|---|---|---|---:|")
     print("\n".join(rows))
     print("\n" + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) + f" ({len(rows)} cases).")

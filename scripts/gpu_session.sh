@@ -33,8 +33,8 @@ case "${1:-}" in
     # The CUDA-only tests (those that skip on a CPU machine), one line each as they finish.
     timeout "${2:-480}" python3 -P -m pytest -p no:cacheprovider -n 4 -v --tb=short -rfs -k \
       "cuda or flex_gradients or ssmax_flex_matches or pope_flex" \
-      tests/test_attention.py tests/test_bench.py tests/test_methods_layers.py \
-      tests/test_methods_pope.py tests/test_methods_ssmax.py >"$OUT/tests.log" 2>&1
+      tests/unit/model/test_attention.py tests/unit/bench/test_command.py tests/unit/methods/test_layers.py \
+      tests/unit/methods/test_pope.py tests/unit/methods/test_ssmax.py >"$OUT/tests.log" 2>&1
     echo "tests exit $?"; tail -5 "$OUT/tests.log"
     ;;
   sweep)

@@ -2,8 +2,9 @@
 
     python scripts/reference_table.py [out.md]
 
-Runs the reference tests (tests/test_methods.py, test_methods_rotary.py, test_methods_score.py,
-test_attention.py, test_model.py, test_methods_path.py, _dape.py, _ssmax.py) with ``POSBENCH_REFERENCE_LOG`` set, so each ``assert_matches_reference`` call also records the
+Runs the reference tests (tests/unit/methods/: test_methods.py, test_rotary.py, test_score.py, test_path.py,
+test_dape.py, test_ssmax.py; tests/unit/model/: test_attention.py, test_transformer.py) with
+``POSBENCH_REFERENCE_LOG`` set, so each ``assert_matches_reference`` call also records the
 largest absolute difference it saw; then prints, per method and reference, the number of
 comparisons, the largest difference over all of them and the tolerance the test asserts. The
 tests must pass: a failing run prints pytest's output and exits 1. Takes about a minute on 2 cores.
@@ -19,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_methods.py", "tests/test_methods_rotary.py", "tests/test_methods_score.py", "tests/test_attention.py",
-         "tests/test_model.py", "tests/test_methods_path.py", "tests/test_methods_dape.py",
-         "tests/test_methods_ssmax.py"]
+TESTS = ["tests/unit/methods/test_methods.py", "tests/unit/methods/test_rotary.py", "tests/unit/methods/test_score.py",
+         "tests/unit/model/test_attention.py", "tests/unit/model/test_transformer.py", "tests/unit/methods/test_path.py",
+         "tests/unit/methods/test_dape.py", "tests/unit/methods/test_ssmax.py"]
 
 
 def collect() -> list[dict]:

@@ -1,14 +1,20 @@
-"""Checks the method test files share (tests/test_methods_path.py, _dape.py, _ssmax.py): causality
-at a length past the training context and a gradient for every method parameter, for a method
-with given options (the generic suites run each method with its defaults only), and ALiBi's bias
-written out as a reference base."""
+"""Checks the method and model test files share: fixed inputs (``qk``, ``ids``), methods and small
+models of a given method (``make_method``, ``small_model``), the full attention logits of a method
+(``full_scores``), checks against an independent reference (``assert_matches_reference``, which
+also logs the measured difference for scripts/reference_table.py), causality at a length past the
+training context and a gradient for every method parameter (``check_causal_and_trained``,
+``assert_causal_model``), and ALiBi's bias written out as a reference base."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 from torch import nn
 
 import posbench
+from posbench.methods import dense_score
 
 VOCAB = 64
 
@@ -59,3 +65,92 @@ def alibi_bias(T: int, H: int) -> torch.Tensor:
     slopes = torch.tensor([2.0 ** (-8 * h / H) for h in range(1, H + 1)], dtype=torch.float64)
     d = torch.arange(T).view(-1, 1) - torch.arange(T).view(1, -1)
     return -slopes.view(-1, 1, 1) * d.double()
+
+
+def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor, *, method: str, reference: str,
+                             atol: float | None = None, rtol: float | None = None) -> None:
+    """``torch.testing.assert_close`` for a method checked against an independent reference,
+    which also records the largest absolute difference when ``POSBENCH_REFERENCE_LOG`` names a
+    file: ``scripts/reference_table.py`` runs these tests and tabulates the measured maxima."""
+    log = os.environ.get("POSBENCH_REFERENCE_LOG")
+    if log:
+        diff = (actual.detach().double() - expected.detach().double()).abs()
+        record = {"method": method, "reference": reference, "dtype": str(actual.dtype).replace("torch.", ""),
+                  "max_abs_diff": float(diff.max()) if diff.numel() else 0.0, "elements": diff.numel(),
+                  "atol": atol, "rtol": rtol, "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}
+        with open(log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+def methods_with(predicate) -> list[str]:
+    """Registered methods whose class satisfies ``predicate`` (its declared traits), in registry
+    order: test lists follow the registry, so a new method needs no edit here."""
+    from posbench.methods import list_methods, method_class
+
+    return [name for name in list_methods() if predicate(method_class(name))]
+
+
+def qk(B=2, H=4, T=24, D=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    k = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    return q, k
+
+
+def layer_input(q, d_model=32, seed=5):
+    """A stand-in attention input x (B, T, d_model) for content-dependent methods (fox)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(q.shape[0], q.shape[2], d_model, generator=g, dtype=q.dtype)
+
+
+def full_scores(method, q, k, positions, layer=0):
+    """q.k / sqrt(D) after rotate_qk, plus the dense score term: (B, H, T, T)."""
+    qr, kr = method.rotate_qk(q, k, positions, layer)
+    B, H, T, D = q.shape
+    s = torch.einsum("bhid,bhjd->bhij", qr.double(), kr.double()) * D**-0.5
+    x = layer_input(q, method.dims.d_model)
+    fn = method.score_term(qr, positions, layer, k=kr, x=x) if method.has_score_term else None
+    if fn is not None:
+        s = s + dense_score(fn, B, H, T, q.device).double()
+    return s
+
+
+def causal(T):
+    idx = torch.arange(T)
+    return idx[:, None] >= idx[None, :]
+
+
+def make_method(name, d_model=32, n_heads=4, n_layers=2, randomise=True, **options):
+    """Method ``name`` in float64, its parameters drawn positive (valid for every method) unless
+    ``randomise`` is false."""
+    torch.manual_seed(0)
+    from posbench.methods import ModelDims, build_method
+
+    m = build_method(name, ModelDims(d_model, n_heads, n_layers), **options)
+    if randomise:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.uniform_(0.2, 1.2)  # positive: valid for kerple's r1, r2 and fire's c
+    return m.double()
+
+
+def dense_term(m, q, pos, layer=0, k=None):
+    """The score term of ``m`` materialised: (B, H, T, T) float64."""
+    B, H, T, _ = q.shape
+    fn = m.score_term(q, pos, layer, k=k, x=layer_input(q, m.dims.d_model))
+    return dense_score(fn, B, H, T, q.device).double()
+
+
+def assert_causal_model(model, length: int, changed_at: int, vocab: int = 64) -> torch.Tensor:
+    """Changing input token ``changed_at`` of a (1, length) sequence changes no earlier logit and
+    does change a later one; the logits (1, length, vocab) are finite. Returns them."""
+    idx = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    changed = idx.clone()
+    changed[0, changed_at] = (idx[0, changed_at] + 1) % vocab
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a[0, :changed_at], b[0, :changed_at], atol=0, rtol=0)
+    assert not torch.allclose(a[0, changed_at:], b[0, changed_at:])
+    return a

@@ -1,7 +1,7 @@
 """The built-in tasks: flip-flop (Liu et al. 2023), MQAR (Arora et al. 2023) and copy.
 
 Each ``generate`` returns the tokens and the answer mask of :class:`posbench.tasks.Batch`; the
-answers are right by construction (tests/test_tasks.py re-derives them with a plain oracle).
+answers are right by construction (tests/unit/tasks/test_generators.py re-derives them with a plain oracle).
 """
 
 from __future__ import annotations

@@ -1,0 +1,139 @@
+"""Every shipped config file composes, and composes into a valid run spec."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import compose_config
+from omegaconf import OmegaConf
+
+from posbench.config import config_dir, config_names
+from posbench.methods import list_methods, method_options
+from posbench.runs.spec import build_spec
+
+PRIMARY = ["train", "prepare", "eval", "plot", "bench", "viz"]
+TRAIN_GROUPS = ["method", "model", "data", "trainer", "eval", "logger", "experiment", "task"]
+
+
+def test_every_yaml_file_is_covered_by_these_tests():
+    shipped = {p.relative_to(config_dir()).as_posix() for p in config_dir().rglob("*.yaml")}
+    covered = {f"{name}.yaml" for name in PRIMARY}
+    covered |= {f"{g}/{n}.yaml" for g in TRAIN_GROUPS for n in config_names(g)}
+    covered |= {f"hydra/launcher/{n}.yaml" for n in config_names("hydra/launcher")}
+    assert shipped == covered
+
+
+@pytest.mark.parametrize("name", PRIMARY)
+def test_primary_configs_compose(name):
+    cfg = compose_config(name, [])
+    assert OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("group, option", [(g, n) for g in TRAIN_GROUPS for n in config_names(g)])
+def test_every_group_option_composes_into_a_valid_spec(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "data" and option == "local":
+        overrides.append("data.path=some/dir")  # local data needs a path; existence is checked later
+    cfg = compose_config("train", overrides)
+    spec = build_spec(cfg)
+    assert spec.method in list_methods()
+
+
+def test_method_configs_match_the_methods_options():
+    assert sorted(config_names("method")) == sorted(list_methods())
+    for name in list_methods():
+        values = OmegaConf.to_container(OmegaConf.load(config_dir() / "method" / f"{name}.yaml"))
+        assert values.pop("name") == name
+        assert values == method_options(name), name
+
+
+def test_experiment_presets_set_what_they_promise():
+    seed = compose_config("train", ["experiment=seed003"])
+    assert (seed.model.d_model, seed.model.n_layers, seed.model.n_heads) == (384, 6, 6)
+    assert seed.trainer.context == 256 and seed.data.source == "hub" and seed.eval.lengths == [512, 1024, 2048]
+    quick = compose_config("train", ["experiment=cpu_quick"])
+    assert quick.data.source == "sample" and quick.trainer.device == "cpu" and quick.logger.name == "none"
+    # the packaged sample needs no path, so the preset runs from any directory
+    from posbench.data import DataConfig
+    from posbench.data.sources import resolve_source
+
+    spec = resolve_source(DataConfig.from_dict(quick.data))
+    assert [p.name for p in spec.train_files + spec.valid_files] == ["train.txt.gz", "valid.txt.gz"]
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local", "slurm"])
+def test_launchers_compose(launcher):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    target = cfg.hydra.launcher._target_
+    assert launcher.split("_")[0] in target.lower() or (launcher == "slurm" and "Slurm" in target)
+    if launcher == "slurm":
+        assert cfg.hydra.launcher.gpus_per_node == 1
+
+
+@pytest.mark.parametrize("group, option, cls_path, own", [
+    ("model", "small", "posbench.model.transformer.ModelConfig", ()),  # the dataclass defaults are the small flavour
+    *(("data", n, "posbench.data.DataConfig", ("source",)) for n in config_names("data")),
+])
+def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
+    """A group's default file and its dataclass agree on every field the file sets (only the
+    option's own choice, e.g. a data source, differs), and the file sets no unknown field."""
+    import importlib
+    from dataclasses import fields
+
+    module, name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    monkeypatch.delenv("POSBENCH_CACHE", raising=False)  # the files' cache_dir default, unresolved by env
+    values = OmegaConf.to_container(OmegaConf.load(config_dir() / group / f"{option}.yaml"), resolve=True)
+    from dataclasses import asdict, is_dataclass
+
+    from posbench.config.settings import from_section
+    from posbench.core.errors import PosbenchError
+
+    try:
+        default = from_section(cls, group, {})  # validated: nested settings become their dataclass
+    except PosbenchError:  # a default that needs the file's own choice (a data source's path)
+        default = cls()
+    defaults = {f.name: getattr(default, f.name) for f in fields(cls)}
+    defaults = {k: asdict(v) if is_dataclass(v) else v for k, v in defaults.items()}
+    assert set(values) <= set(defaults), f"{group}/{option}.yaml sets unknown fields"
+    differ = {k: (v, defaults[k]) for k, v in values.items() if k not in own and v != defaults[k]}
+    assert not differ, f"{group}/{option}.yaml and {name} disagree: {differ}"
+
+
+@pytest.mark.parametrize("group", ["trainer", "eval"])
+def test_settings_group_defaults_are_written_once(group):
+    """A settings group's defaults are its dataclass's: its YAML options set no key the
+    dataclass already defaults to the same value, and ``train`` composes exactly the dataclass's
+    defaults (every field, in field order)."""
+    from dataclasses import asdict
+
+    from posbench.config import settings_groups
+
+    cls = settings_groups()[group]
+    for option in config_names(group):
+        own = OmegaConf.to_container(OmegaConf.load(config_dir() / group / f"{option}.yaml"))
+        own.pop("defaults", None)
+        assert not {k: v for k, v in own.items() if asdict(cls()).get(k) == v}, f"{group}/{option}.yaml repeats defaults"
+    section = OmegaConf.to_container(compose_config("train", [])[group])
+    assert list(section) == list(asdict(cls())) and section == asdict(cls())
+
+
+@pytest.mark.parametrize("command", ["bench", "viz"])
+def test_command_defaults_live_once(command):
+    """The settings a command falls back to without its YAML are the YAML's."""
+    from posbench.bench.settings import settings_from_config as bench_settings
+    from posbench.viz.settings import settings_from_config as viz_settings
+
+    if command == "bench":
+        from_yaml, _ = bench_settings(compose_config("bench", []))
+        values = {"model": OmegaConf.to_container(compose_config("bench", []).model)}
+        from_code, _ = bench_settings(values)
+    else:
+        from_yaml = viz_settings(compose_config("viz", []))
+        from_code = viz_settings(OmegaConf.create({}))
+        from posbench.viz.settings import VizSettings
+
+        assert from_code == VizSettings()
+    assert from_yaml == from_code
