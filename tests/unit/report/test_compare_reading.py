@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_compare
-from test_compare import make_run
 
 import posbench
 from posbench.config import load_group_option, method_option_names
 from posbench.methods import list_methods, method_class, saved_options
 from posbench.report.listing import _registered, method_names
 from posbench.runs.results import RunRecord
+from unit.report import test_compare
+from unit.report.test_compare import make_run
 
 READ = """
 import sys
