@@ -78,10 +78,6 @@ def _positive(section: str, **values: Any) -> None:
             raise PosbenchError(f"{section}.{name} must be positive, got {value}")
 
 
-# The zero-shot probes of eval.probes and the copy probe's span kinds (posbench/evaluation/probes/copy.py runs them).
-PROBES = ("copy", "passkey")
-KINDS = ("random", "text")
-
 # Trainer settings that change what a run computes (the step count may grow on resume): a resume
 # must keep them, and runs that differ in them are never pooled as seeds.
 RESULT_SETTINGS = ("context", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
@@ -227,11 +223,13 @@ class EvalConfig:
     transformers' factor, default 1)."""
     probes: list[str] = field(default_factory=list)
     """Zero-shot probes run after the loss curves, each under every extension: copy (a span
-    repeated at distance d, scored against a control; docs/probes.md). Empty = none."""
+    repeated at distance d, scored against a control; docs/probes.md), passkey (docs/retrieval.md).
+    Empty = none. The names and each probe's settings section are checked by the probe registry
+    (posbench/evaluation/probes/__init__.py)."""
     copy: Any = field(default_factory=dict)
-    """Settings of the copy probe (eval.copy.*, see CopyConfig); a CopyConfig once validated."""
+    """Settings of the copy probe (eval.copy.*, CopySettings in posbench/evaluation/probes/copy.py)."""
     passkey: Any = field(default_factory=dict)
-    """Settings of the passkey evaluation (eval.passkey.*, see PasskeyConfig)."""
+    """Settings of the passkey evaluation (eval.passkey.*, PasskeySettings in posbench/evaluation/probes/passkey.py)."""
     rerope: Any = field(default_factory=dict)
     """Settings of the rerope extension (eval.rerope.*, see ReRoPEConfig); a ReRoPEConfig once validated."""
     self_extend: Any = field(default_factory=dict)
@@ -254,29 +252,10 @@ class EvalConfig:
         if not isinstance(self.self_extend, SelfExtendConfig):
             self.self_extend = from_section(SelfExtendConfig, "eval.self_extend",
                                             _section("eval.self_extend", self.self_extend))
-        self.validate_probes()
 
     def extension_options(self) -> dict[str, Any]:
         """The settings of the extensions that take some, by extension name (validated)."""
         return {"rerope": self.rerope, "self_extend": self.self_extend}
-
-    def validate_probes(self) -> None:
-        """Check eval.probes and turn eval.copy into a :class:`CopyConfig`."""
-        for name in self.probes:
-            if name not in PROBES:
-                raise PosbenchError(f"unknown eval.probes entry {name!r}; choose from {', '.join(PROBES)}")
-        if not isinstance(self.copy, CopyConfig):
-            if not isinstance(self.copy, dict):
-                raise PosbenchError(f"eval.copy must be a mapping of copy probe settings, got {self.copy!r}")
-            self.copy = from_section(CopyConfig, "eval.copy", self.copy)
-        if not isinstance(self.passkey, PasskeyConfig):
-            self.passkey = from_section(PasskeyConfig, "eval.passkey", _section("eval.passkey", self.passkey))
-
-    def check_probe(self, train_context: int) -> None:
-        """Refuse copy probe settings that cannot run at ``train_context``, before any work."""
-        c = self.copy
-        if "copy" in self.probes and not c.span < train_context:
-            raise PosbenchError(f"eval.copy.span={c.span} must be below the training context {train_context}")
 
     def check_lengths(self, train_context: int, need_headline: bool) -> None:
         """Refuse lengths below the training context (they have no band at all), and, with
@@ -332,67 +311,3 @@ class SelfExtendConfig:
 
     def validate(self) -> None:
         _positive("eval.self_extend", window=self.window, group=self.group)
-
-
-@dataclass
-class CopyConfig:
-    """The copy probe (eval.copy.*; posbench/evaluation/probes/copy.py, docs/probes.md)."""
-
-    distances: list[int] = field(default_factory=lambda: [32, 64, 128, 192, 256, 320, 384, 512, 768])
-    """Distances d between the two occurrences of the span (each >= span)."""
-    span: int = 32
-    """k: tokens in the repeated span; k - 1 of them are scored."""
-    num_windows: int = 64
-    """Windows per (kind, distance, region), the same windows for every cell and every method."""
-    kinds: list[str] = field(default_factory=lambda: ["random", "text"])
-    """random (ids uniform over the vocabulary: pure retrieval) and/or text (a held-out passage)."""
-    seed: int = 0
-    """Seeds the choice of passages and the random spans (never the model's seed)."""
-    split: str = "validation"
-    """validation or test: held-out text only."""
-
-    def validate(self) -> None:
-        s = "eval.copy"
-        _positive(s, span=self.span, num_windows=self.num_windows)
-        if self.span < 2:
-            raise PosbenchError(f"eval.copy.span must be at least 2 (one token is not scored), got {self.span}")
-        if self.num_windows < 2:
-            raise PosbenchError(f"eval.copy.num_windows must be at least 2 (for an interval), got {self.num_windows}")
-        if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < self.span
-                                     for d in self.distances):
-            raise PosbenchError(f"eval.copy.distances must be integers >= eval.copy.span={self.span}, "
-                                f"got {self.distances}")
-        if not self.kinds or any(k not in KINDS for k in self.kinds):
-            raise PosbenchError(f"eval.copy.kinds must be a non-empty list of {', '.join(KINDS)}, got {self.kinds}")
-        if self.split not in ("validation", "test"):
-            raise PosbenchError(f"eval.copy.split must be validation or test (held-out text), got {self.split!r}")
-
-
-@dataclass
-class PasskeyConfig:
-    """The passkey evaluation (eval.passkey.*; posbench/evaluation/probes/passkey.py, docs/retrieval.md)."""
-
-    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
-    """Window lengths L; the question and its answer end the window."""
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    """Where the key sentence starts, as a fraction of the room before the question (0: the
-    window's start, farthest from the question; 1: right before it)."""
-    num_windows: int = 32
-    """Windows per (length, depth): the same haystacks and keys in every cell and for every method."""
-    seed: int = 0
-    """Seeds the haystacks and the keys (never the model's seed)."""
-    split: str = "validation"
-    """validation or test: held-out text only."""
-
-    def validate(self) -> None:
-        s = "eval.passkey"
-        if self.num_windows < 2:
-            raise PosbenchError(f"{s}.num_windows must be at least 2 (for an interval), got {self.num_windows}")
-        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.lengths):
-            raise PosbenchError(f"{s}.lengths must be integers >= 64 (room for the key and the question), "
-                                f"got {self.lengths}")
-        if not self.depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1
-                                  for d in self.depths):
-            raise PosbenchError(f"{s}.depths must be numbers in [0, 1], got {self.depths}")
-        if self.split not in ("validation", "test"):
-            raise PosbenchError(f"{s}.split must be validation or test (held-out text), got {self.split!r}")
