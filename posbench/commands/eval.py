@@ -16,11 +16,12 @@ from posbench.evaluation.loss import evaluate_model
 from posbench.evaluation.probes import ProbeRun, configure_probes, merge_probe_results, run_probes
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.report.plot import write_run_figures
-from posbench.runs.load import Run, load_run, run_data
+from posbench.runs.load import Run, load_run
 from posbench.runs.results import merge_eval_entries, recorded_precision, write_results
 from posbench.runs.rundir import RunDir
 from posbench.runtime.device import autocast_dtype, precision_name, resolve_device
 from posbench.train.trainer import finish_run
+from posbench.train.workload import saved_workload
 
 logger = logging.getLogger("posbench")
 
@@ -75,12 +76,10 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         )
     evaluation.check_lengths(train_context, need_headline=False)
     configure_probes(evaluation, train_context)
-    task = run.config.get("task")
-    if task is not None and run.results is not None:
-        raise PosbenchError(f"{run.path} is a task run (task={task.name}): posbench eval adds entries to text runs only; "
-                            "its test accuracy is measured at the end of training (set eval.lengths / eval.extension "
-                            "when training it, docs/tasks.md)")
-    prepared = run_data(run, log) if task is None else None
+    workload = saved_workload(run.config)  # the run's kind: text or task
+    if run.results is not None:
+        workload.check_reevaluation(run)
+    prepared = workload.saved_data(run, log)
     other_path = cfg.get("data", {}).get("path") if cfg.get("data") else None
     if run.results is None and not other_path:
         # Its results.json was damaged: the run's own evaluation is recomputed under its own eval

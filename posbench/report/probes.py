@@ -237,9 +237,10 @@ def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str, measure: st
     return fig
 
 
-def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str],
-                log: Callable[[str], Any] = print) -> list[Path]:
-    """Write the copy probe's figures and tables into ``out_dir``; nothing when no run has one."""
+def compare_figures(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str],
+                    log: Callable[[str], Any] = print) -> list[Path]:
+    """The copy probe's figure hook (:class:`posbench.evaluation.probes.Probe` ``report``): its figures and
+    tables across ``runs`` into ``out_dir``; nothing when no run has one."""
     groups = probe_groups(runs)
     if not groups:
         return []
@@ -261,4 +262,5 @@ def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str]
     return files + [out_dir / "copy.md", out_dir / "copy.csv"]
 
 
-__all__ = ["MEASURES", "cell_intervals", "copy_csv", "copy_markdown", "mean_reach", "plot_probes", "probe_groups", "reaches"]
+__all__ = ["MEASURES", "cell_intervals", "compare_figures", "copy_csv", "copy_markdown", "mean_reach", "probe_groups",
+           "reaches"]

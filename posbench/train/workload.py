@@ -17,6 +17,7 @@ from posbench.data import PreparedData, prepare_data
 from posbench.data.loader import TrainBatches
 from posbench.data.retrieval import RetrievalConfig, make_inserter
 from posbench.evaluation.loss import evaluate_run, headline, per_position_loss, validation_sets
+from posbench.runs.load import run_data
 from posbench.runs.resume import data_identity
 from posbench.train.task_workload import TaskWorkload
 
@@ -122,6 +123,21 @@ class TextWorkload:
         band = f"{context}-{2 * context}"
         return f"{band} loss {headline(results, band):.4f}"
 
+    @staticmethod
+    def check_reevaluation(run: Any) -> None:
+        """``posbench eval`` adds entries to any finished text run."""
+
+    @staticmethod
+    def saved_data(run: Any, log: Callable[[str], None]) -> PreparedData:
+        """A saved run's own data, for ``posbench eval`` (:func:`posbench.runs.load.run_data`)."""
+        return run_data(run, log)
+
+
+def saved_workload(config: Any) -> type[TextWorkload] | type[TaskWorkload]:
+    """The workload class of a saved run, from its recorded config: what ``posbench eval`` may do
+    with it (``check_reevaluation``) and its data (``saved_data``)."""
+    return TextWorkload if config.get("task") is None else TaskWorkload
+
 
 def make_workload(spec: Any, log: Callable[[str], None]) -> Workload:
     """``spec`` (a :class:`posbench.runs.spec.RunSpec`) -> its workload: the task's generator for
@@ -131,4 +147,4 @@ def make_workload(spec: Any, log: Callable[[str], None]) -> Workload:
     return TextWorkload(prepare_data(spec.data, log=log), spec.data.retrieval)
 
 
-__all__ = ["TextWorkload", "Workload", "make_workload"]
+__all__ = ["TextWorkload", "Workload", "make_workload", "saved_workload"]

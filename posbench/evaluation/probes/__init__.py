@@ -50,11 +50,15 @@ class Probe:
     """One probe. Subclasses set ``name`` (its ``eval.probes`` entry and ``eval.<name>`` section),
     ``settings`` (its settings dataclass: every field with its default, a ``validate()`` method
     raising :class:`PosbenchError`) and ``results_key`` (its results.json key), and override
-    :meth:`run`; :meth:`check`, :meth:`merge` and :meth:`summary` have defaults."""
+    :meth:`run`; :meth:`check`, :meth:`merge` and :meth:`summary` have defaults, ``report`` is optional."""
 
     name: str = ""
     settings: type = object
     results_key: str = ""
+    report: str | None = None
+    """The module of ``posbench/report/`` that draws its figures (optional), by name: it defines
+    ``compare_figures(runs, out_dir, formats, log) -> [paths]`` (``posbench plot``, across runs)
+    and/or ``run_figures(results, out_dir, formats, title) -> [paths]`` (a run's ``figures/``)."""
 
     def check(self, settings: Any, train_context: int) -> None:
         """Refuse settings that cannot run at ``train_context``, before any work (default: none)."""

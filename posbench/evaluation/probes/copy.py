@@ -289,6 +289,7 @@ class CopyProbe(Probe):
     name = "copy"
     settings = CopySettings
     results_key = "probes"
+    report = "posbench.report.probes"
 
     def check(self, settings: CopySettings, train_context: int) -> None:
         if not settings.span < train_context:

@@ -260,6 +260,7 @@ class PasskeyProbe(Probe):
     name = "passkey"
     settings = PasskeySettings
     results_key = "passkey"
+    report = "posbench.report.passkey"
 
     def run(self, model: nn.Module, data: Any, settings: PasskeySettings, run: ProbeRun) -> list[dict[str, Any]]:
         """On the held-out split ``settings.split`` of ``data`` (a :class:`posbench.data.PreparedData`)."""
