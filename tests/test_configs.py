@@ -97,6 +97,10 @@ def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
         default = from_section(cls, group, {})  # validated: nested settings become their dataclass
     except PosbenchError:  # a default that needs the file's own choice (a data source's path)
         default = cls()
+    if group == "eval":  # each probe's section becomes its settings dataclass in the probe registry
+        from posbench.evaluation.probes import configure_probes
+
+        configure_probes(default, 256)
     defaults = {f.name: getattr(default, f.name) for f in fields(cls)}
     defaults = {k: asdict(v) if is_dataclass(v) else v for k, v in defaults.items()}
     assert set(values) <= set(defaults), f"{group}/{option}.yaml sets unknown fields"
