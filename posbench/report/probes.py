@@ -42,7 +42,7 @@ MEASURES = {
 def probe_groups(runs: Sequence[RunRecord]) -> dict[str, list[dict[str, Any]]]:
     """``{label: [copy probe entries, one per run]}``: the groups of :func:`posbench.report.compare.group_runs`,
     split by what the entries measured: extension (``label+extension``), split, ``variant``
-    (an entry ``posbench eval`` measured otherwise, see :func:`posbench.evaluation.probes.copy.merge_probe_entries`)
+    (an entry ``posbench eval`` measured otherwise, see :func:`posbench.evaluation.probes.merge.merge_probe_entries`)
     windows (``windows_sha256``) and the matched control (entries written before it existed are a
     line of their own); only entries of one measurement are pooled. What tells a label's lines
     apart is named in brackets (``rope (num_windows=8)``, ``rope (test)``, ``rope (windows=1a2b3c4d)``,
