@@ -1,7 +1,9 @@
 """What a run trains on and is scored on: text (a token cache) or a synthetic task.
 
 The trainer asks its workload for everything that differs between the two, so
-:mod:`posbench.train.trainer` never branches on the kind of run. :func:`make_workload` picks
+:mod:`posbench.train.trainer` never branches on the kind of run; ``posbench eval`` asks a saved
+run's workload class (:func:`saved_workload`). The report side of a kind is
+:mod:`posbench.report.kinds`. :func:`make_workload` picks
 :class:`TextWorkload` (``data=...``) or :class:`posbench.train.task_workload.TaskWorkload`
 (``task=<name>``); both follow :class:`Workload`.
 """
@@ -65,6 +67,14 @@ class Workload(Protocol):
 
     def done_line(self, results: dict[str, Any], context: int) -> str:
         """The run's last log line, after ``done: <results.json>;``."""
+
+    @staticmethod
+    def check_reevaluation(run: Any) -> None:
+        """Refuse (one line) what ``posbench eval`` cannot add to a saved run of this kind."""
+
+    @staticmethod
+    def saved_data(run: Any, log: Callable[[str], None]) -> PreparedData | None:
+        """A saved run's own data for ``posbench eval`` (None: generated data)."""
 
 
 class TextWorkload:
