@@ -14,16 +14,16 @@ from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, tokenize_with
 from posbench.evaluation.loss import evaluate_model
-from posbench.evaluation.probes.copy import merge_probe_entries, run_probes
-from posbench.evaluation.probes.passkey import run_passkey
+from posbench.evaluation.probes import ProbeRun, configure_probes, merge_probe_results, run_probes
 from posbench.evaluation.settings import EvalConfig
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.report.plot import write_run_figures
-from posbench.runs.load import Run, load_run, run_data
+from posbench.runs.load import Run, load_run
 from posbench.runs.results import merge_eval_entries, recorded_precision, write_results
 from posbench.runs.rundir import RunDir
 from posbench.runtime.device import autocast_dtype, precision_name, resolve_device
 from posbench.train.trainer import finish_run
+from posbench.train.workload import saved_workload
 
 logger = logging.getLogger("posbench")
 
@@ -77,13 +77,11 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
             f"choose eval.lengths <= {limit}"
         )
     evaluation.check_lengths(train_context, need_headline=False)
-    evaluation.check_probe(train_context)
-    task = run.config.get("task")
-    if task is not None and run.results is not None:
-        raise PosbenchError(f"{run.path} is a task run (task={task.name}): posbench eval adds entries to text runs only; "
-                            "its test accuracy is measured at the end of training (set eval.lengths / eval.extension "
-                            "when training it, docs/tasks.md)")
-    prepared = run_data(run, log) if task is None else None
+    configure_probes(evaluation, train_context)
+    workload = saved_workload(run.config)  # the run's kind: text or task
+    if run.results is not None:
+        workload.check_reevaluation(run)
+    prepared = workload.saved_data(run, log)
     other_path = cfg.get("data", {}).get("path") if cfg.get("data") else None
     if run.results is None and not other_path:
         # Its results.json was damaged: the run's own evaluation is recomputed under its own eval
@@ -109,19 +107,14 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     entries = [] if probes_only else evaluate_model(
         run.model, prepared.tokens(evaluation.split), dataclasses.replace(evaluation, extension=extensions),
         train_context, device, log=log, autocast_dtype=amp_dtype)
-    probes = saved_run_probes(run, prepared, evaluation, device, amp_dtype, log)
-    passkey = run_passkey(run.model, prepared, evaluation, train_context, device, amp_dtype, log)
-    for entry in entries + probes + passkey:
+    probes = saved_run_probes(run, prepared, evaluation, device, amp_dtype, log)  # {results key: entries}
+    for entry in entries + [e for found in probes.values() for e in found]:
         entry["data"] = source
         entry["checkpoint_step"] = run.step
         entry["precision"] = precision
     if other_path:
         # Other text never changes the run's own results.json; it gets a file of its own.
-        written = {"method": run.model.method_name, "data": source, "eval": entries}
-        if probes:
-            written["probes"] = probes
-        if passkey:
-            written["passkey"] = passkey
+        written = {"method": run.model.method_name, "data": source, "eval": entries, **probes}
         out = RunDir(run.path).write_other_eval(Path(other_path).name, written)
         log(f"wrote {out}")
         return {**written, "path": str(out)}
@@ -142,10 +135,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         # The precision of the run's own entries; unknown (auto, before it was recorded) is never "the same".
         own = {"precision": recorded_precision(results, run.config) or "unknown"}
         merge_eval_entries(results, entries, replace, log, recorded=own)
-        if probes:
-            results["probes"] = merge_probe_entries(results.get("probes", []), probes, replace, log, recorded=own)
-        if passkey:
-            results["passkey"] = merge_probe_entries(results.get("passkey", []), passkey, replace, log, recorded=own)
+        merge_probe_results(results, probes, replace, log, recorded=own)
         write_results(run.path, results)
         write_run_figures(run.path, log)
     log(f"updated {rundir.results_path}")
@@ -153,10 +143,12 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
 
 
 def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.device,
-                     amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """``posbench eval``'s probes (eval.probes) on ``run``'s model, under its eval.extension."""
+                     amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> dict[str, list[dict[str, Any]]]:
+    """``posbench eval``'s probes (eval.probes) on ``run``'s model, under its eval.extension:
+    ``{results.json key: entries}``."""
     if not evaluation.probes:
-        return []
+        return {}
     evaluation = dataclasses.replace(evaluation, extension=resolve_extensions(evaluation.extension, run.model.position,
-                                                                  log=lambda _: None))
-    return run_probes(run.model, prepared, evaluation, int(run.config.trainer.context), device, amp_dtype, log)
+                                                                              log=lambda _: None))
+    train_context = int(run.config.trainer.context)
+    return run_probes(run.model, prepared, evaluation, ProbeRun.of(evaluation, train_context, device, amp_dtype, log))

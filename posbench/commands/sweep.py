@@ -31,8 +31,7 @@ from omegaconf import DictConfig
 
 from posbench.config import config_names
 from posbench.core.io import write_text_atomic
-from posbench.report.compare import compare_runs, grouping_notes, paired_markdown, summary_markdown
-from posbench.report.tasks import is_task_run, tables_markdown, task_tables
+from posbench.report.kinds import by_kind, kind_of
 from posbench.runs.results import RESULTS_FILE, STATUS_FILE, RunRecord, discover_runs, finished_runs, headline_entries
 
 log = logging.getLogger(__name__)
@@ -121,11 +120,9 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
     runs, problems = finished_runs(runs, problems)  # idempotent: a failed run never enters the tables
     root = Path(sweep_dir)
     lines = [f"# Sweep summary: {root}", "", f"## Finished ({len(runs)})", ""]
-    task_runs = [r for r in runs if is_task_run(r)]  # synthetic tasks: their own tables (docs/tasks.md)
-    text_runs = [r for r in runs if not is_task_run(r)]
-    comparison = compare_runs(text_runs) if text_runs else None
-    groups = {} if comparison is None else comparison.groups
-    group_of = {str(r.path): label for label, g in groups.items() for r in g.runs}  # each run's row in the tables
+    # Each kind of run (text, task) writes its own part: (run -> its group, the part's lines).
+    parts = [kind.summary(kind_runs) for kind, kind_runs in by_kind(runs).items()]
+    group_of = {path: group for part_groups, _ in parts for path, group in part_groups.items()}
     if runs:
         lines += ["| job | method | seed | group | headline band | loss |", "|---|---|---|---|---|---:|"]
         for run in runs:
@@ -133,22 +130,14 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
             value = next((e["bands"][band] for e in sorted(headline_entries(run.results["eval"]), key=lambda e: e["length"])
                           if band in e["bands"]), None)
             shown = "-" if value is None else f"{value:.4f}"
-            lines.append(f"| `{_relative(run.path, root)}` | {run.method} | {run.seed} | {group_of.get(str(run.path)) or 'task ' + run.results['task']['name']} | "
+            lines.append(f"| `{_relative(run.path, root)}` | {run.method} | {run.seed} | {group_of[str(run.path)]} | "
                          f"{band} | {shown} |")
     else:
         lines.append("None.")
     lines += ["", f"## Failed or missing ({len(problems)})", ""]
     lines += [f"- `{_relative(path, root)}`: {reason}" for path, reason in problems] or ["None."]
-    if comparison is not None:
-        notes = grouping_notes(comparison.groups)
-        lines += ["", f"## Per method ({comparison.split} split)", ""]
-        lines += [f"- {note.removeprefix('note: ')}" for note in notes] + ([""] if notes else [])
-        lines += [summary_markdown(comparison.metrics, comparison.rows, comparison.split, comparison.headline),
-                  f"## Paired differences on {comparison.headline}", "", paired_markdown(comparison.headline_pairs),
-                  "Comparison figures and all tables: `comparison/` (`bands.md`, `paired.md`, `*.csv`)."]
-    if task_runs:
-        lines += ["", tables_markdown(task_tables(task_runs)).replace("# Synthetic", "## Synthetic", 1).replace("\n## ", "\n### "),
-                  "Figures and tables: `comparison/` (`tasks_<task>.png`, `tasks.md`, `tasks.csv`)."]
+    for _, part in parts:
+        lines += part
     return "\n".join(lines) + "\n"
 
 
@@ -192,7 +181,7 @@ class ComparePlotsCallback(Callback):
             log.info("comparison plots for %d runs written to %s", len(runs), out_dir)
         except Exception as err:  # noqa: BLE001
             log.warning("comparison plots failed (the runs themselves are intact): %s", err)
-        if self.viz and any(not is_task_run(r) for r in runs):  # viz reads text; task runs have none
+        if self.viz and any(kind_of(r).reads_text for r in runs):  # viz reads text; task runs have none
             try:
                 from posbench.viz.command import viz_sweep_default  # here, as plot_runs above
 

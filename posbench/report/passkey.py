@@ -53,9 +53,9 @@ def passkey_figure(entry: dict[str, Any], title: str = "") -> Figure:
     return fig
 
 
-def plot_run_passkey(results: dict[str, Any] | None, out_dir: Path, formats: Sequence[str],
-                     title: str = "") -> list[Path]:
-    """``passkey[_<extension>].<fmt>`` in ``out_dir`` for each of the run's own passkey entries."""
+def run_figures(results: dict[str, Any] | None, out_dir: Path, formats: Sequence[str], title: str = "") -> list[Path]:
+    """The passkey evaluation's figure hook (:class:`posbench.evaluation.probes.Probe` ``report``):
+    ``passkey[_<extension>].<fmt>`` in ``out_dir`` for each of the run's own passkey entries."""
     written: list[Path] = []
     for entry in (results or {}).get("passkey") or []:
         if "variant" in entry:
@@ -66,4 +66,4 @@ def plot_run_passkey(results: dict[str, Any] | None, out_dir: Path, formats: Seq
     return written
 
 
-__all__ = ["passkey_figure", "plot_run_passkey"]
+__all__ = ["passkey_figure", "run_figures"]

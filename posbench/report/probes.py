@@ -42,7 +42,7 @@ MEASURES = {
 def probe_groups(runs: Sequence[RunRecord]) -> dict[str, list[dict[str, Any]]]:
     """``{label: [copy probe entries, one per run]}``: the groups of :func:`posbench.report.compare.group_runs`,
     split by what the entries measured: extension (``label+extension``), split, ``variant``
-    (an entry ``posbench eval`` measured otherwise, see :func:`posbench.evaluation.probes.copy.merge_probe_entries`)
+    (an entry ``posbench eval`` measured otherwise, see :func:`posbench.evaluation.probes.merge.merge_probe_entries`)
     windows (``windows_sha256``) and the matched control (entries written before it existed are a
     line of their own); only entries of one measurement are pooled. What tells a label's lines
     apart is named in brackets (``rope (num_windows=8)``, ``rope (test)``, ``rope (windows=1a2b3c4d)``,
@@ -237,9 +237,10 @@ def _gain_figure(groups: dict[str, list[dict[str, Any]]], kind: str, measure: st
     return fig
 
 
-def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str],
-                log: Callable[[str], Any] = print) -> list[Path]:
-    """Write the copy probe's figures and tables into ``out_dir``; nothing when no run has one."""
+def compare_figures(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str],
+                    log: Callable[[str], Any] = print) -> list[Path]:
+    """The copy probe's figure hook (:class:`posbench.evaluation.probes.Probe` ``report``): its figures and
+    tables across ``runs`` into ``out_dir``; nothing when no run has one."""
     groups = probe_groups(runs)
     if not groups:
         return []
@@ -261,4 +262,5 @@ def plot_probes(runs: Sequence[RunRecord], out_dir: Path, formats: Sequence[str]
     return files + [out_dir / "copy.md", out_dir / "copy.csv"]
 
 
-__all__ = ["MEASURES", "cell_intervals", "copy_csv", "copy_markdown", "mean_reach", "plot_probes", "probe_groups", "reaches"]
+__all__ = ["MEASURES", "cell_intervals", "compare_figures", "copy_csv", "copy_markdown", "mean_reach", "probe_groups",
+           "reaches"]

@@ -99,18 +99,6 @@ def unscored_reason(run: RunRecord) -> str | None:
     return f"its results.json holds NaN task accuracies ({', '.join(bad)})" if bad else None
 
 
-def split_unscored(runs: Sequence[RunRecord]) -> tuple[list[RunRecord], list[tuple[str, str]]]:
-    """``runs`` without the task runs whose results hold NaN accuracies, and those as problems."""
-    kept, dropped = [], []
-    for run in runs:
-        reason = unscored_reason(run) if is_task_run(run) else None
-        if reason is None:
-            kept.append(run)
-        else:
-            dropped.append((str(run.path), reason))
-    return kept, dropped
-
-
 @dataclass
 class TaskTable:
     """One task's comparison: its groups (label -> runs, every seed), lengths, metrics, chance
@@ -390,5 +378,5 @@ def plot_task_runs(runs: Sequence[RunRecord], out: Path, formats: Sequence[str],
     return files + [out / "tasks.md", out / "tasks.csv"]
 
 
-__all__ = ["TaskTable", "interval", "is_task_run", "learnt", "plain_entries", "plot_task_runs", "split_unscored",
+__all__ = ["TaskTable", "interval", "is_task_run", "learnt", "plain_entries", "plot_task_runs", "unscored_reason",
            "tables_csv", "tables_markdown", "task_figure", "task_tables"]

@@ -148,8 +148,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise PosbenchError(f"seed must be an integer, got {seed!r}")
-    evaluation.check_lengths(trainer.context, need_headline=True)
-    evaluation.check_probe(trainer.context)
+    evaluation.check_lengths(trainer.context, need_headline=True)  # eval.probes: the trainer checks them
     # Refused (or skipped with a line) now, not after training.
     evaluation = replace(evaluation, extension=resolve_extensions(evaluation.extension, probe, log=logger.info))
     longest = max(max(evaluation.lengths), trainer.context)

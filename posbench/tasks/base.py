@@ -48,6 +48,11 @@ def register_task(cls: type[Task]) -> type[Task]:
     return cls
 
 
+def unregister_task(name: str) -> None:
+    """Remove task ``name`` (tests that register a throwaway task)."""
+    _TASKS.pop(name, None)
+
+
 def list_tasks() -> list[str]:
     return list(_TASKS)
 
@@ -259,4 +264,5 @@ class TaskBatches:
 
 
 __all__ = ["Batch", "EVALUATION_OPTIONS", "IGNORE", "STANDARD", "Task", "TaskBatches", "TEST", "TRAIN", "VALID", "answer_share", "list_tasks",
-           "lookback_bands", "make_task", "positive_int", "register_task", "task_class"]
+           "lookback_bands", "make_task", "positive_int", "register_task", "task_class",
+           "unregister_task"]

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from posbench.core.errors import PosbenchError
 from posbench.evaluation.tasks import task_results, task_summary, validation_batches, validation_metrics
 from posbench.tasks.base import EVALUATION_OPTIONS, Task, TaskBatches, answer_share
 
@@ -73,6 +74,19 @@ class TaskWorkload:
     def done_line(self, results: dict[str, Any], context: int) -> str:
         return "accuracy by length " + ", ".join(
             f"{k.rsplit('/', 1)[-1]}: {v:.3f}" for k, v in task_summary(results).items())
+
+    @staticmethod
+    def check_reevaluation(run: Any) -> None:
+        """``posbench eval`` adds entries to text runs only (a task run with a damaged results.json
+        is finished instead)."""
+        raise PosbenchError(f"{run.path} is a task run (task={run.config.task.name}): posbench eval adds entries to "
+                            "text runs only; its test accuracy is measured at the end of training (set eval.lengths / "
+                            "eval.extension when training it, docs/tasks.md)")
+
+    @staticmethod
+    def saved_data(run: Any, log: Callable[[str], None]) -> None:
+        """No token cache: a task generates its data."""
+        return None
 
 
 __all__ = ["TaskWorkload"]

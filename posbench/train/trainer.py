@@ -34,8 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from posbench.core.errors import PosbenchError
-from posbench.evaluation.probes.copy import probe_summary, run_probes
-from posbench.evaluation.probes.passkey import passkey_summary, run_passkey
+from posbench.evaluation.probes import ProbeRun, configure_probes, probe_summaries, run_probes
 from posbench.methods import ParameterDrift
 from posbench.model.positions import TrainingPositions
 from posbench.model.transformer import build_model
@@ -116,6 +115,7 @@ class Trainer:
         self.cfg, self.log, self.evaluate_only, self.hydra_record = cfg, log, evaluate_only, hydra_record
         self.spec = build_spec(cfg, saved=evaluate_only)
         self.t = self.spec.trainer
+        configure_probes(self.spec.eval, self.t.context)  # eval.probes and their settings, before any work
         self.device, self.dist_info = self._setup_device()
         self.is_main = self.dist_info.is_main
         self.output_dir = same_on_all_ranks(Path(run_dir), self.dist_info)  # the job's own (Hydra's) directory
@@ -525,14 +525,8 @@ class Trainer:
             raw_model, tokens_per_step = self.raw_model, self.tokens_per_step
             val_loss = self.validate(self.total_steps)
             results = self.workload.evaluate(raw_model, spec, self.device, self.amp_dtype, self.log)
-            probes = run_probes(raw_model, self.workload.text, spec.eval, t.context, self.device, self.amp_dtype,
-                                self.log)  # eval.probes
-            if probes:
-                results["probes"] = probes
-            passkey = run_passkey(raw_model, self.workload.text, spec.eval, t.context, self.device, self.amp_dtype,
-                                  self.log)  # eval.probes=[passkey]
-            if passkey:
-                results["passkey"] = passkey
+            results.update(run_probes(raw_model, self.workload.text, spec.eval,  # eval.probes
+                                      ProbeRun.of(spec.eval, t.context, self.device, self.amp_dtype, self.log)))
             train_tokens = self.total_steps * tokens_per_step
             results["train"] = {
                 "tokens": train_tokens, "steps": self.total_steps, "final_loss": self.loss_value,
@@ -559,7 +553,7 @@ class Trainer:
             self.run_logger.log_eval(results["eval"], t.context)
             self.run_logger.summary({"train/final_loss": self.loss_value,
                                      "train/tokens_per_second": results["train"]["tokens_per_second"],
-                                     **probe_summary(results.get("probes", [])), **passkey_summary(results.get("passkey", [])),
+                                     **probe_summaries(results),
                                      **self.workload.summary(results)})
             self.run_logger.log_figures(figures)
             self.rundir.write_status("completed", method=spec.method, seed=spec.seed)

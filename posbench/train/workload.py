@@ -1,7 +1,9 @@
 """What a run trains on and is scored on: text (a token cache) or a synthetic task.
 
 The trainer asks its workload for everything that differs between the two, so
-:mod:`posbench.train.trainer` never branches on the kind of run. :func:`make_workload` picks
+:mod:`posbench.train.trainer` never branches on the kind of run; ``posbench eval`` asks a saved
+run's workload class (:func:`saved_workload`). The report side of a kind is
+:mod:`posbench.report.kinds`. :func:`make_workload` picks
 :class:`TextWorkload` (``data=...``) or :class:`posbench.train.task_workload.TaskWorkload`
 (``task=<name>``); both follow :class:`Workload`.
 """
@@ -17,6 +19,7 @@ from posbench.data import PreparedData, prepare_data
 from posbench.data.loader import TrainBatches
 from posbench.data.retrieval import RetrievalConfig, make_inserter
 from posbench.evaluation.loss import evaluate_run, headline, per_position_loss, validation_sets
+from posbench.runs.load import run_data
 from posbench.runs.resume import data_identity
 from posbench.train.task_workload import TaskWorkload
 
@@ -64,6 +67,14 @@ class Workload(Protocol):
 
     def done_line(self, results: dict[str, Any], context: int) -> str:
         """The run's last log line, after ``done: <results.json>;``."""
+
+    @staticmethod
+    def check_reevaluation(run: Any) -> None:
+        """Refuse (one line) what ``posbench eval`` cannot add to a saved run of this kind."""
+
+    @staticmethod
+    def saved_data(run: Any, log: Callable[[str], None]) -> PreparedData | None:
+        """A saved run's own data for ``posbench eval`` (None: generated data)."""
 
 
 class TextWorkload:
@@ -122,6 +133,21 @@ class TextWorkload:
         band = f"{context}-{2 * context}"
         return f"{band} loss {headline(results, band):.4f}"
 
+    @staticmethod
+    def check_reevaluation(run: Any) -> None:
+        """``posbench eval`` adds entries to any finished text run."""
+
+    @staticmethod
+    def saved_data(run: Any, log: Callable[[str], None]) -> PreparedData:
+        """A saved run's own data, for ``posbench eval`` (:func:`posbench.runs.load.run_data`)."""
+        return run_data(run, log)
+
+
+def saved_workload(config: Any) -> type[TextWorkload] | type[TaskWorkload]:
+    """The workload class of a saved run, from its recorded config: what ``posbench eval`` may do
+    with it (``check_reevaluation``) and its data (``saved_data``)."""
+    return TextWorkload if config.get("task") is None else TaskWorkload
+
 
 def make_workload(spec: Any, log: Callable[[str], None]) -> Workload:
     """``spec`` (a :class:`posbench.runs.spec.RunSpec`) -> its workload: the task's generator for
@@ -131,4 +157,4 @@ def make_workload(spec: Any, log: Callable[[str], None]) -> Workload:
     return TextWorkload(prepare_data(spec.data, log=log), spec.data.retrieval)
 
 
-__all__ = ["TextWorkload", "Workload", "make_workload"]
+__all__ = ["TextWorkload", "Workload", "make_workload", "saved_workload"]

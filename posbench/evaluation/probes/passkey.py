@@ -41,6 +41,8 @@ from torch import nn
 from posbench.core.errors import PosbenchError
 from posbench.data.retrieval import KEY_DIGITS, PasskeyText
 from posbench.evaluation.loss import inference
+from posbench.evaluation.probes import Probe, ProbeRun, register_probe
+from posbench.evaluation.settings import PasskeyConfig
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.model.extension import NONE, evaluation_order, extended, extension_options
 
@@ -48,6 +50,10 @@ DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 CHANCE = 10.0 ** -KEY_DIGITS  # guessing a key of uniform digits
 CHANCE_LOGPROB = math.log(CHANCE)
+
+
+# The settings are EvalConfig.passkey (built with the eval section, before any work).
+PasskeySettings = PasskeyConfig
 
 
 @dataclass
@@ -135,38 +141,24 @@ def interval_fields(name: str, values: np.ndarray) -> dict[str, Any]:
     return {name: interval.mean, f"{name}_interval": [interval.low, interval.high]}
 
 
-def passkey_eval(
-    model: nn.Module,
-    tokens: np.ndarray,
-    train_context: int,
-    encode: Callable[[list[str]], list[list[int]]],
-    *,
-    lengths: Sequence[int] = DEFAULT_LENGTHS,
-    depths: Sequence[float] = DEFAULT_DEPTHS,
-    num_windows: int = 32,
-    seed: int = 0,
-    split: str = "validation",
-    batch_size: int = 16,
-    device: str | torch.device = "cpu",
-    autocast_dtype: torch.dtype | None = None,
-    extensions: Sequence[str] = ("none",),
-    extension_factor: float | None = None,
-    extension_settings: dict[str, Any] | None = None,
-    log: Callable[[str], Any] = print,
-) -> list[dict[str, Any]]:
-    """Run the passkey evaluation on ``model``; one results.json ``passkey`` entry per extension.
+def passkey_eval(model: nn.Module, tokens: np.ndarray, encode: Callable[[list[str]], list[list[int]]],
+                 settings: PasskeySettings, run: ProbeRun) -> list[dict[str, Any]]:
+    """Run the passkey evaluation on ``model``; one results.json ``passkey`` entry per extension of ``run``.
 
-    ``tokens``: the held-out stream of ``split`` (the haystack); ``encode``: the run's tokenizer
-    (texts -> id lists). Each entry holds the settings, ``chance`` / ``chance_logprob``,
+    ``tokens``: the held-out stream of ``settings.split`` (the haystack); ``encode``: the run's
+    tokenizer (texts -> id lists). Each entry holds the settings, ``chance`` / ``chance_logprob``,
     ``windows_sha256``, ``seconds`` and ``cells``: per (length, depth) the mean ``distance``,
     ``accuracy``, ``logprob``, ``token_logprob``, ``control_accuracy``, ``control_logprob`` and
     ``gain`` (with ``*_interval``), ``count`` and the per-window ``window_gains``. Lengths past
     the model's learned positions are left out (logged).
     """
+    num_windows, seed, split = settings.num_windows, settings.seed, settings.split
+    train_context, batch_size, autocast_dtype, log = run.train_context, run.batch_size, run.autocast_dtype, run.log
+    extension_factor, extension_settings = run.extension_factor, run.extension_settings
     if split == "train":
         raise PosbenchError("the passkey evaluation reads held-out text only; use eval.passkey.split=validation or test")
-    device = torch.device(device)
-    lengths, depths = sorted(set(lengths)), sorted({float(d) for d in depths})
+    device = torch.device(run.device)
+    lengths, depths = sorted(set(settings.lengths)), sorted({float(d) for d in settings.depths})
     text = PasskeyText(encode)
     rng = np.random.default_rng([seed, 1])  # the keys; the haystacks use default_rng(seed)
     keys = [text.draw_key(rng) for _ in range(num_windows)]
@@ -179,7 +171,7 @@ def passkey_eval(
     built = {n: build_windows(haystacks, keys, text, n, depths) for n in lengths}
     digest = hashlib.sha256(np.ascontiguousarray(haystacks).tobytes() + "".join(keys).encode()).hexdigest()
     entries = []
-    for extension in evaluation_order(extensions):
+    for extension in evaluation_order(run.extensions):
         started, cells, factors = time.perf_counter(), [], {}
         for n, w in built.items():
             with extended(model, extension, train_context, n - 1, extension_factor, extension_settings) as factor:
@@ -222,21 +214,6 @@ def format_accuracy(entry: dict[str, Any]) -> str:
     return "; ".join(parts) + f" (chance {entry['chance']:g})"
 
 
-def run_passkey(model: nn.Module, prepared: Any, evaluation: Any, train_context: int, device: torch.device,
-                autocast_dtype: torch.dtype | None, log: Callable[[str], Any]) -> list[dict[str, Any]]:
-    """The passkey evaluation when ``evaluation.probes`` (an :class:`posbench.evaluation.settings.EvalConfig`)
-    names it, on the held-out split of ``prepared`` (a :class:`posbench.data.PreparedData`), under
-    every extension of ``evaluation.extension``; empty otherwise."""
-    if "passkey" not in evaluation.probes:
-        return []
-    c = evaluation.passkey
-    return passkey_eval(model, prepared.tokens(c.split), train_context, prepared.encode, lengths=c.lengths,
-                        depths=c.depths, num_windows=c.num_windows, seed=c.seed, split=c.split,
-                        batch_size=evaluation.batch_size, device=device, autocast_dtype=autocast_dtype,
-                        extensions=evaluation.extension, extension_factor=evaluation.extension_factor,
-                        extension_settings=evaluation.extension_options(), log=log)
-
-
 def passkey_summary(entries: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Flat scalars for a tracker: ``passkey[/<ext>]/accuracy_L<n>`` and ``.../gain_L<n>`` (mean over depths)."""
     out: dict[str, float] = {}
@@ -251,5 +228,23 @@ def passkey_summary(entries: Sequence[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-__all__ = ["CHANCE", "CHANCE_LOGPROB", "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "PasskeyWindows", "answer_scores",
-           "build_windows", "draw_haystacks", "format_accuracy", "passkey_eval", "passkey_summary", "run_passkey"]
+@register_probe
+class PasskeyProbe(Probe):
+    """``eval.probes=[passkey]``: entries under results.json ``passkey``."""
+
+    name = "passkey"
+    settings = PasskeySettings
+    results_key = "passkey"
+    report = "posbench.report.passkey"
+
+    def run(self, model: nn.Module, data: Any, settings: PasskeySettings, run: ProbeRun) -> list[dict[str, Any]]:
+        """On the held-out split ``settings.split`` of ``data`` (a :class:`posbench.data.PreparedData`)."""
+        return passkey_eval(model, data.tokens(settings.split), data.encode, settings, run)
+
+    def summary(self, entries: Sequence[dict[str, Any]]) -> dict[str, float]:
+        return passkey_summary(entries)
+
+
+__all__ = ["CHANCE", "CHANCE_LOGPROB", "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "PasskeyProbe", "PasskeySettings",
+           "PasskeyWindows", "answer_scores", "build_windows", "draw_haystacks", "format_accuracy", "passkey_eval",
+           "passkey_summary"]

@@ -95,6 +95,10 @@ def test_group_defaults_live_once(group, option, cls_path, own, monkeypatch):
         default = from_section(cls, group, {})  # validated: nested settings become their dataclass
     except PosbenchError:  # a default that needs the file's own choice (a data source's path)
         default = cls()
+    if group == "eval":  # each probe's section becomes its settings dataclass in the probe registry
+        from posbench.evaluation.probes import configure_probes
+
+        configure_probes(default, 256)
     defaults = {f.name: getattr(default, f.name) for f in fields(cls)}
     defaults = {k: asdict(v) if is_dataclass(v) else v for k, v in defaults.items()}
     assert set(values) <= set(defaults), f"{group}/{option}.yaml sets unknown fields"
@@ -137,3 +141,19 @@ def test_command_defaults_live_once(command):
 
         assert from_code == VizSettings()
     assert from_yaml == from_code
+
+
+# The model every task run was composed with when each task had its own preset (task_<name>.yaml).
+TASK_MODEL = {"vocab_size": 8192, "d_model": 64, "n_layers": 2, "n_heads": 4, "mlp_hidden": None, "mlp_multiple_of": 64,
+              "tie_embeddings": False, "norm_eps": 1e-05, "init_std": 0.02, "attention": "auto", "attention_window": None}
+
+
+@pytest.mark.parametrize("task", config_names("task"))
+def test_tasks_share_one_model_preset_and_compose_as_before(task):
+    """Every task=<name> composes the shared task preset (configs/model/task.yaml), recorded under
+    its old flavour name, and a model chosen on the command line still replaces it whole."""
+    cfg = compose_config("train", [f"task={task}"])
+    assert OmegaConf.to_container(cfg.model, resolve=True) == {"flavour": f"task_{task}", **TASK_MODEL}
+    assert OmegaConf.to_container(compose_config("train", [f"task={task}", "model=tiny"]).model,
+                                  resolve=True)["flavour"] == "tiny"
+    assert not (config_dir() / "model" / f"task_{task}.yaml").exists()

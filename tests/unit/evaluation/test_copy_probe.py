@@ -14,19 +14,11 @@ import torch.nn.functional as F
 
 import posbench
 from posbench.core.errors import PosbenchError
-from posbench.evaluation.probes.copy import (
-    NO_MATCHED,
-    REACH_MIN_GAIN,
-    cell_for,
-    copy_probe,
-    make_windows,
-    merge_probe_entries,
-    probe_cells,
-    probe_summary,
-    reach,
-    run_probes,
-    shares_ngram,
-)
+from posbench.evaluation.probes import ProbeRun, configure_probes, get_probe, run_probes
+from posbench.evaluation.probes.copy import NO_MATCHED, REACH_MIN_GAIN, CopySettings, probe_summary, reach
+from posbench.evaluation.probes.copy import copy_probe as copy_probe_with
+from posbench.evaluation.probes.copy_windows import cell_for, make_windows, probe_cells, shares_ngram
+from posbench.evaluation.probes.merge import merge_probe_entries
 
 V, W, N_LAYERS, K, C = 64, 16, 2, 4, 32
 RECEPTIVE_FIELD = N_LAYERS * (W - 1) + K  # 34: from here on no scored token sees the first copy
@@ -35,6 +27,13 @@ RECEPTIVE_FIELD = N_LAYERS * (W - 1) + K  # 34: from here on no scored token see
 def stream(size: int = 20000, seed: int = 1) -> np.ndarray:
     """A held-out stream of ids 1..V-1 (0 plays end-of-text)."""
     return np.random.default_rng(seed).integers(1, V, size=size)
+
+
+def copy_probe(model, tokens, train_context, *, vocab_size, special_ids, log=print, **kwargs):
+    """The copy probe with its settings and run options given as keywords."""
+    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in CopySettings.__dataclass_fields__}
+    return copy_probe_with(model, tokens, vocab_size, special_ids, CopySettings(**settings),
+                           ProbeRun(train_context, log=log, **kwargs))
 
 
 def probe(model, **kwargs):
@@ -356,13 +355,16 @@ def test_the_probe_reads_held_out_text_only() -> None:
                                                                                 "num_windows": 4}})
     prepared = Prepared()
     model = posbench.create_model("rope", flavour="tiny", vocab_size=V).eval()
-    (entry,) = run_probes(model, prepared, evaluation, C, torch.device("cpu"), None, lambda _: None)
+    configure_probes(evaluation, C)
+    (entry,) = run_probes(model, prepared, evaluation, ProbeRun.of(evaluation, C, log=lambda _: None))["probes"]
     assert prepared.asked == ["validation"] and entry["split"] == "validation"
     with pytest.raises(PosbenchError, match="held-out"):
         copy_probe(model, stream(), C, vocab_size=V, special_ids=[0], span=K, distances=[8], split="train")
     with pytest.raises(PosbenchError, match="eval.copy.split"):
-        from_section(EvalConfig, "eval", {"copy": {"split": "train"}})
-    assert run_probes(model, prepared, from_section(EvalConfig, "eval", {}), C, "cpu", None, print) == []
+        configure_probes(from_section(EvalConfig, "eval", {"copy": {"split": "train"}}), C)
+    nothing = from_section(EvalConfig, "eval", {})
+    configure_probes(nothing, C)
+    assert run_probes(model, prepared, nothing, ProbeRun.of(nothing, C)) == {}
 
 
 @pytest.mark.parametrize("copy, message", [({"span": 1}, "eval.copy.span"), ({"distances": [16]}, "eval.copy.distances"),
@@ -374,9 +376,9 @@ def test_bad_copy_settings_are_refused(copy, message) -> None:
     from posbench.evaluation.settings import EvalConfig
 
     with pytest.raises(PosbenchError, match=message):
-        from_section(EvalConfig, "eval", {"copy": copy})
-    with pytest.raises(PosbenchError, match="eval.probes"):
-        from_section(EvalConfig, "eval", {"probes": ["nonsense"]})
+        configure_probes(from_section(EvalConfig, "eval", {"copy": copy}), C)
+    with pytest.raises(PosbenchError, match="unknown eval.probes entry 'nonsense'; choose from copy, passkey"):
+        configure_probes(from_section(EvalConfig, "eval", {"probes": ["nonsense"]}), C)
 
 
 def test_merge_keeps_other_probe_entries() -> None:
@@ -565,7 +567,8 @@ def test_entries_written_before_the_matched_control_load_without_a_retrieval_gai
     # a run re-measured on the same windows: the new entry takes the old one's place, and says so
     lines: list[str] = []
     new = fake_probe_entry(0.0, checkpoint_step=6)
-    assert merge_probe_entries([old], [new], log=lines.append) == [new] and "adds the matched control" in lines[0]
+    merged = get_probe("copy").merge([old], [new], False, lines.append, None)
+    assert merged == [new] and "adds the matched control" in lines[0]
     # two runs of one method, one of each: separate lines, the old one marked and without retrieval gain
     for seed, entry in ((0, old), (1, fake_probe_entry(0.25))):
         write_results(tmp_path / f"rope-{seed}", {**make_run(tmp_path / f"rope-{seed}", "rope", seed), "probes": [entry]})

@@ -12,8 +12,16 @@ from torch import nn
 from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, prepare_data
 from posbench.data.retrieval import PasskeyText
-from posbench.evaluation.probes.copy import merge_probe_entries
-from posbench.evaluation.probes.passkey import CHANCE, build_windows, draw_haystacks, passkey_eval, passkey_summary
+from posbench.evaluation.probes import ProbeRun
+from posbench.evaluation.probes.merge import merge_probe_entries
+from posbench.evaluation.probes.passkey import (
+    CHANCE,
+    PasskeySettings,
+    build_windows,
+    draw_haystacks,
+    passkey_eval,
+    passkey_summary,
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +76,9 @@ class DigitPrior(nn.Module):
 
 def run(model, prepared, **kwargs):
     options = {"lengths": [128, 320], "depths": [0.0, 0.5, 1.0], "num_windows": 6, "log": lambda _: None, **kwargs}
-    (entry,) = passkey_eval(model, prepared.valid_tokens(), 256, prepared.encode, **options)
+    settings = {k: options.pop(k) for k in list(options) if k in PasskeySettings.__dataclass_fields__}
+    (entry,) = passkey_eval(model, prepared.valid_tokens(), prepared.encode, PasskeySettings(**settings),
+                            ProbeRun(256, **options))
     return entry
 
 
@@ -141,10 +151,11 @@ def test_the_evaluation_reads_held_out_text_only(prepared) -> None:
 ])
 def test_bad_passkey_settings_are_refused(passkey, message) -> None:
     from posbench.config.settings import from_section
+    from posbench.evaluation.probes import configure_probes
     from posbench.evaluation.settings import EvalConfig
 
     with pytest.raises(PosbenchError, match=message):
-        from_section(EvalConfig, "eval", {"probes": ["passkey"], "passkey": passkey})
+        configure_probes(from_section(EvalConfig, "eval", {"probes": ["passkey"], "passkey": passkey}), 256)
 
 
 def test_entries_merge_like_probe_entries() -> None:

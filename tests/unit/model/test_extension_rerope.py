@@ -225,7 +225,7 @@ def test_settings_are_validated_and_recorded_in_the_entries():
 def test_entries_measured_with_other_settings_are_variants_labelled_by_them():
     """A rerope entry measured with another window never replaces the run's rerope entry: it is
     a variant labelled compactly by the settings (eval and copy probe entries alike)."""
-    from posbench.evaluation.probes.copy import probe_variant_label
+    from posbench.evaluation.probes.merge import probe_variant_label
     from posbench.runs.entries import variant_label
 
     old = {"extension": "rerope", "extension_options": {"window": 32, "leaky": None, "log_scaling": True}}

@@ -270,3 +270,20 @@ def test_sixteen_plus_curves_get_distinct_styles_and_the_legend_is_outside() -> 
     assert _legend_clear_of_data(fig, ax)
     title = ax.title.get_window_extent()  # the figure widens with the legend, so the title is not cut off
     assert fig.bbox.x0 - 1 <= title.x0 and title.x1 <= fig.bbox.x1 + 1
+
+
+def test_each_run_has_one_kind_selected_from_its_record(tmp_path) -> None:
+    """plot, the sweep summary and a run's figures ask the run's kind (posbench.report.kinds); a
+    kind is chosen once, from results.json, and every run has exactly one."""
+    from posbench.report.kinds import RUN_KINDS, TaskKind, TextKind, by_kind, kind_of, split_unscored
+    from posbench.runs.results import RunRecord
+
+    text = RunRecord(path=tmp_path / "a", results={"method": "rope", "eval": []})
+    task = RunRecord(path=tmp_path / "b", results={"method": "rope", "eval": [], "task": {
+        "name": "flipflop", "entries": [{"length": 64, "accuracy": {"mean": float("nan")}}]}})
+    assert isinstance(kind_of(text), TextKind) and isinstance(kind_of(task), TaskKind)
+    assert all(sum(kind.owns(run) for kind in RUN_KINDS) == 1 for run in (text, task))
+    assert list(by_kind([task, text])) == RUN_KINDS[:2]  # reported text first, whatever the order found
+    assert kind_of(text).reads_text and not kind_of(task).reads_text
+    kept, dropped = split_unscored([text, task])  # the task kind refuses NaN accuracies
+    assert kept == [text] and dropped[0][0] == str(task.path) and "NaN" in dropped[0][1]

@@ -98,16 +98,17 @@ def test_a_length_some_seeds_lack_is_drawn_with_its_seeds_named(extended: Path, 
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """loss_by_position_1024 drew seed 0 of the 2-seed rope group as "rope", and alibi, never
     evaluated at 1024, went missing without a note."""
+    import posbench.report.curves as curves
     import posbench.report.plot as plot
 
     drawn = {}
-    original = plot.save
+    original = curves.save
 
     def keep(fig, out, stem, formats):
         drawn[stem] = fig
         return original(fig, out, stem, formats)
 
-    monkeypatch.setattr(plot, "save", keep)
+    monkeypatch.setattr(curves, "save", keep)
     plot.plot_runs([extended], tmp_path / "out", log=lambda _: None)
     ax = drawn["loss_by_position_1024"].axes[0]
     labels = [text.get_text() for text in (ax.get_legend() or drawn["loss_by_position_1024"].legends[0]).get_texts()]
