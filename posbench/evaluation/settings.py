@@ -18,8 +18,7 @@ from typing import Any
 from posbench.config.settings import require_positive
 from posbench.core.errors import PosbenchError
 
-# The zero-shot probes of eval.probes and the copy probe's span kinds (posbench/evaluation/probes/copy.py runs them).
-PROBES = ("copy", "passkey")
+# The copy probe's span kinds (posbench/evaluation/probes/copy.py runs them).
 KINDS = ("random", "text")
 
 
@@ -178,20 +177,12 @@ class EvalConfig:
                          window_stride=self.window_stride, effective_length_eps=self.effective_length_eps)
         if self.extension_factor is not None and not self.extension_factor >= 1:
             raise PosbenchError(f"eval.extension_factor must be >= 1 (or null for L / C), got {self.extension_factor}")
-        # Extension names are checked by posbench.model.extension.check_names (it owns them).
-        for name in self.probes:
-            if name not in PROBES:
-                raise PosbenchError(f"unknown eval.probes entry {name!r}; choose from {', '.join(PROBES)}")
+        # Extension names are checked by posbench.model.extension.check_names (it owns them), probe
+        # names and their settings by the probe registry (posbench.evaluation.probes.configure_probes).
 
     def extension_options(self) -> dict[str, Any]:
         """The settings of the extensions that take some, by extension name (validated)."""
         return {"rerope": self.rerope, "self_extend": self.self_extend}
-
-    def check_probe(self, train_context: int) -> None:
-        """Refuse copy probe settings that cannot run at ``train_context``, before any work."""
-        c = self.copy
-        if "copy" in self.probes and not c.span < train_context:
-            raise PosbenchError(f"eval.copy.span={c.span} must be below the training context {train_context}")
 
     def check_lengths(self, train_context: int, need_headline: bool) -> None:
         """Refuse lengths below the training context (they have no band at all), and, with
