@@ -9,8 +9,9 @@ at logging steps. SIGTERM / SIGINT / SIGUSR1 (what SLURM sends before preemption
 save a checkpoint at the next step boundary and exit non-zero; the next start resumes.
 
 A run is a :class:`Trainer` whose stages read top to bottom in :meth:`Trainer.stages`: setup,
-resume (checked before anything is written), claim, start, the step loop, final evaluation.
-What it uses lives beside it: the validated config (:mod:`posbench.runs.spec`), what it trains on and
+resume (checked before anything is written), claim, start, the step loop, final evaluation; its
+checkpoints and stops (:mod:`posbench.train.stopping`) and its final evaluation
+(:mod:`posbench.train.final`) are parts of it kept in their own modules. What it uses lives beside it: the validated config (:mod:`posbench.runs.spec`), what it trains on and
 is scored on (:mod:`posbench.train.workload`: text or a synthetic task), device and precision
 (:mod:`posbench.runtime.device`), the optimizer and THE training step (:mod:`posbench.train.optim`, which
 ``posbench bench`` times too), resume checks (:mod:`posbench.runs.resume`) and the run directory with
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -34,22 +34,18 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from posbench.core.errors import PosbenchError
-from posbench.evaluation.probes import ProbeRun, configure_probes, probe_summaries, run_probes
+from posbench.evaluation.probes import configure_probes
 from posbench.methods import ParameterDrift
 from posbench.model.positions import TrainingPositions
 from posbench.model.transformer import build_model
-from posbench.report.plot import write_run_figures
-from posbench.runs.checkpoint import load_model_weights, rng_state, save_checkpoint, set_rng_state
+from posbench.runs.checkpoint import load_model_weights, set_rng_state
 from posbench.runs.resume import check_resumable, load_resume_state, resolve_run_dir, run_target
 from posbench.runs.rundir import RunDir, RunLocked
-from posbench.runs.runlog import HydraRecord, continue_hint
-from posbench.runs.schema import versions
+from posbench.runs.runlog import HydraRecord
 from posbench.runs.spec import MethodSpec, build_spec, check_memory_fits
 from posbench.runtime.device import as_posbench_error, autocast_dtype, resolve_device, seed_everything, setup_device
 from posbench.runtime.distributed import (
     DistInfo,
-    any_rank,
-    barrier,
     init_distributed,
     mean_across_ranks,
     same_on_all_ranks,
@@ -58,20 +54,14 @@ from posbench.runtime.distributed import (
 from posbench.runtime.hardware import environment_line, run_environment
 from posbench.runtime.preemption import StopRequest
 from posbench.train import loggers
+from posbench.train.final import FinalEvaluation
 from posbench.train.optim import TrainStep, compile_model, compiles, micro_batching, total_steps
 from posbench.train.progress import make_progress
+from posbench.train.stopping import Checkpoints, TrainingInterrupted, same_dir
 from posbench.train.wandb_session import wandb_group
 from posbench.train.workload import Workload, make_workload
 
 logger = logging.getLogger("posbench")
-
-
-class TrainingInterrupted(Exception):
-    """Raised after a checkpoint was saved because the run was asked to stop (signal / test aid)."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class NonFiniteLoss(PosbenchError):
@@ -100,7 +90,7 @@ def train(cfg: DictConfig, run_dir: Path, log: Callable[[str], None] | None = No
     return run.run()
 
 
-class Trainer:
+class Trainer(Checkpoints, FinalEvaluation):
     """One training run. Holds what the stages share, so each stage is a short method, called
     top to bottom by :meth:`stages`: setup -> resume -> claim -> start -> fit (per step:
     :meth:`train_step`, :meth:`log_step`, :meth:`validate`, :meth:`save_checkpoint`,
@@ -154,7 +144,7 @@ class Trainer:
         job's own directory) writes nothing into that run, which is another job's record: the
         job's own directory records the failure (a sweep's summary counts it), or, for a single
         run, the empty folders Hydra made for it are removed again."""
-        if self.claimed or _same_dir(self.run_dir, self.output_dir):
+        if self.claimed or same_dir(self.run_dir, self.output_dir):
             return self.rundir.record_failure(self.cfg, failure, claimed=self.claimed)
         if self.hydra_record is not None and self.hydra_record.remove_unstarted():
             return False
@@ -453,118 +443,6 @@ class Trainer:
         logger.info("step %d validation loss %.4f", step, row["val_loss"])
         return row["val_loss"]
 
-    # ------------------------------------------------------------------ checkpoints and stopping
-
-    def stop_requested(self, step: int, stop: StopRequest) -> bool:
-        """A signal arrived or ``trainer.stop_after_steps`` is reached; DDP ranks agree on it
-        at log steps only (one collective per window)."""
-        t = self.t
-        stop_now = stop.signum is not None or (t.stop_after_steps is not None and step >= t.stop_after_steps)
-        if not self.dist_info.enabled:
-            return stop_now
-        return any_rank(stop_now, self.dist_info) if step % t.log_every == 0 else False
-
-    def checkpoint_due(self, step: int) -> bool:
-        t = self.t
-        return bool((t.checkpoint_every_steps and step % t.checkpoint_every_steps == 0) or (
-            t.checkpoint_every_minutes and time.perf_counter() - self.last_ckpt_time >= 60 * t.checkpoint_every_minutes
-        ))
-
-    def save_checkpoint(self, step: int, elapsed: float | None = None) -> None:
-        # Never keep non-finite weights as a checkpoint (the loss is checked at log steps only;
-        # this sync is free next to the save).
-        self.ensure_finite(float(self.loss_sum), step)
-        with self.overhead_timer():
-            if elapsed is None:
-                elapsed = self.elapsed_before + time.perf_counter() - self.start_time
-            self.last_good = save_checkpoint(self.run_dir, self.checkpoint_state(step, elapsed), self.t.keep_checkpoints)
-        self.last_ckpt_time = time.perf_counter()
-
-    def checkpoint_state(self, step: int, elapsed: float) -> dict[str, Any]:
-        spec = self.spec
-        return {
-            "step": step, "tokens": step * self.tokens_per_step, "elapsed_seconds": elapsed,
-            "overhead_seconds": self.overhead_before + self.overhead,
-            "last_loss": self.loss_value,
-            "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
-            "config": OmegaConf.to_container(self.cfg, resolve=True), "method": spec.method,
-            "method_options": spec.method_options, "model_config": spec.model.to_dict(),
-            "data_dir": self.workload.data_dir, "data_identity": self.workload.identity(),
-        }
-
-    def stop(self, step: int, stop: StopRequest) -> None:
-        """After the stop checkpoint: record "interrupted", hand SIGUSR1 on, raise."""
-        signum = stop.signum or signal.SIGTERM
-        if stop.signum is not None:
-            self.log(f"received {signal.Signals(signum).name}: checkpoint saved at step {step}")
-        if self.is_main:
-            self.rundir.write_status("interrupted", method=self.spec.method, seed=self.spec.seed,
-                                     error=f"stopped at step {step}", step=step)
-            stop.hand_over()
-        raise TrainingInterrupted(
-            f"stopped at step {step}/{self.total_steps}; checkpoint saved in {self.rundir.checkpoint_dir}; "
-            f"{self.continue_hint()}",
-            exit_code=128 + int(signum),
-        )
-
-    def continue_hint(self) -> str:
-        """How to continue: a sweep job in its sweep (hydra.sweep.dir), a run in its directory."""
-        resume_named = not _same_dir(self.run_dir, self.output_dir)  # the command has trainer.resume=<dir>
-        if self.hydra_record is not None:
-            return self.hydra_record.continue_hint(self.run_dir, resume_named)
-        return continue_hint(self.run_dir, resume_named)
-
-    # ------------------------------------------------------------------ final evaluation
-
-    def final_evaluation(self) -> dict[str, Any]:
-        """Rank 0: final validation, evaluation at eval.lengths, results.json, figures, status."""
-        t, spec, run_dir = self.t, self.spec, self.run_dir
-        results: dict[str, Any] = {}
-        if self.is_main:
-            raw_model, tokens_per_step = self.raw_model, self.tokens_per_step
-            val_loss = self.validate(self.total_steps)
-            results = self.workload.evaluate(raw_model, spec, self.device, self.amp_dtype, self.log)
-            results.update(run_probes(raw_model, self.workload.text, spec.eval,  # eval.probes
-                                      ProbeRun.of(spec.eval, t.context, self.device, self.amp_dtype, self.log)))
-            train_tokens = self.total_steps * tokens_per_step
-            results["train"] = {
-                "tokens": train_tokens, "steps": self.total_steps, "final_loss": self.loss_value,
-                "final_val_loss": val_loss,
-                "epochs": train_tokens / max(1, self.batches.steps_per_epoch * tokens_per_step),
-                # Over the whole run (all resumed segments): training tokens / training time, where
-                # training time is wall time less periodic validation and checkpoint writing.
-                "tokens_per_second": train_tokens / max(self.wall - self.overhead_total, 1e-9),
-                "wall_seconds": self.wall, "overhead_seconds": self.overhead_total, "device": self.device.type,
-                "world_size": self.dist_info.world_size, "resumed_from_step": self.start_step or None,
-                # The in-training validation subsets (metrics.jsonl keys -> windows; see validation_sets).
-                "validation_windows": {name: int(rows.shape[0]) for name, rows in self.val_sets.items()},
-            }
-            results["run_name"] = spec.run_name
-            results["method"] = self.train_positions.label  # rope+rand2048 stays apart from rope in tables
-            results["model"] = {**spec.model.to_dict(), "parameters": raw_model.num_parameters(),
-                                "non_embedding_parameters": raw_model.num_parameters(non_embedding=True)}
-            results["method_options"] = spec.method_options
-            results["data"] = self.workload.record()
-            results["versions"] = versions()
-            results["environment"] = self.environment
-            self.rundir.write_results(results, self.log)  # under the results lock; a damaged one set aside
-            figures = write_run_figures(run_dir, self.log)
-            self.run_logger.log_eval(results["eval"], t.context)
-            self.run_logger.summary({"train/final_loss": self.loss_value,
-                                     "train/tokens_per_second": results["train"]["tokens_per_second"],
-                                     **probe_summaries(results),
-                                     **self.workload.summary(results)})
-            self.run_logger.log_figures(figures)
-            self.rundir.write_status("completed", method=spec.method, seed=spec.seed)
-            self.log(f"done: {self.rundir.results_path}; {self.workload.done_line(results, t.context)}")
-        self.run_logger.finish(exit_code=0)
-        # Other ranks wait here while rank 0 evaluates: tearing the process group down on some ranks
-        # while another still runs left a rank hanging at exit (seen intermittently with gloo).
-        barrier(self.dist_info)
-        shutdown(self.dist_info)
-        return results
-
 
 def finish_run(run_dir: Path, config: DictConfig, log: Callable[[str], None], device: str = "auto",
                evaluation: Any = None) -> dict[str, Any]:
@@ -578,12 +456,3 @@ def finish_run(run_dir: Path, config: DictConfig, log: Callable[[str], None], de
     if evaluation is not None:
         cfg.eval = OmegaConf.create(OmegaConf.to_container(evaluation, resolve=True))
     return train(cfg, run_dir, log, evaluate_only=True)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _same_dir(a: Path, b: Path) -> bool:
-    return os.path.abspath(a) == os.path.abspath(b)
-
-
