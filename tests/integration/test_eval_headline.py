@@ -63,6 +63,7 @@ def test_the_readme_extension_example_keeps_the_headline_bitwise(rope_run, tmp_p
     assert f"| {before['eval'][0]['bands']['32-64']:.4f} ± " in row
 
 
+@pytest.mark.slow
 def test_eval_takes_the_runs_own_settings_by_default(rope_run):
     """No eval.* given: the run's own lengths, count and windows (not the global defaults of
     512-2048 and 256 windows); the same measurement is not written twice."""
@@ -93,6 +94,7 @@ def test_a_new_length_never_becomes_the_headline(tmp_path):
     assert RunRecord(run_dir, after).plain().results["eval"] == after["eval"]  # plots still show both lengths
 
 
+@pytest.mark.slow
 def test_eval_replace_true_replaces_and_keeps_the_old_entry(rope_run):
     before = results_of(rope_run)
     run_eval(rope_run, "eval.num_sequences=2", "eval.replace=true")
@@ -103,6 +105,7 @@ def test_eval_replace_true_replaces_and_keeps_the_old_entry(rope_run):
     assert old["variant"] == "replaced" and {k: v for k, v in old.items() if k != "variant"} == before["eval"][0]
 
 
+@pytest.mark.slow
 def test_other_precision_is_a_variant_not_a_duplicate(rope_run):
     """The run trained in fp32; an eval in bf16 on the same windows is another measurement."""
     before = results_of(rope_run)

@@ -127,6 +127,7 @@ def test_eval_uses_the_runs_own_tokenizer_and_never_trains_a_new_one(tmp_path):
     assert len(results["data"]["meta"]["tokenizer"]["sha256"]) == 64  # the checksum it was verified by
 
 
+@pytest.mark.slow
 def test_eval_refuses_a_cache_whose_tokenizer_is_not_the_runs(trained):
     run = trained
     results = json.loads((run / "results.json").read_text())

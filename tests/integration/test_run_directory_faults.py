@@ -227,6 +227,7 @@ def test_the_log_file_keeps_lines_until_the_run_is_held_and_never_writes_dropped
     assert not (tmp_path / "refused.log").exists()
 
 
+@pytest.mark.slow
 def test_a_config_error_next_to_a_run_another_process_holds_writes_nothing_there(tmp_path):
     from helpers import compose_config
 

@@ -66,6 +66,7 @@ def test_a_t5_run_from_before_bias_scale_is_rebuilt_with_the_unscaled_bias(old_t
     assert results_of(old_t5_run)["eval"][0]["bands"] == before["eval"][0]["bands"]  # the same function, bitwise
 
 
+@pytest.mark.slow
 def test_posbench_eval_finishes_an_old_t5_run_as_it_trained(old_t5_run):
     bands = results_of(old_t5_run)["eval"][0]["bands"]
     (old_t5_run / "results.json").unlink()  # stopped during its final evaluation

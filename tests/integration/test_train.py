@@ -20,6 +20,7 @@ from posbench.train.optim import lr_lambda
 from posbench.train.trainer import TrainingInterrupted, train
 
 
+@pytest.mark.slow
 def test_train_writes_a_complete_run_directory(tmp_path):
     results = run_train(tmp_path, "method=rope", "trainer.val_every=3")
     for name in ("config.yaml", "metrics.jsonl", "results.json", "status.json"):
@@ -206,6 +207,7 @@ def test_learned_rows_past_the_training_context_stay_at_their_initialisation(tmp
     assert not torch.equal(trained[:context], initial[:context])
 
 
+@pytest.mark.slow
 def test_resuming_with_a_different_seed_or_batch_is_refused(tmp_path):
     interrupted(tmp_path, "method=rope")
     with pytest.raises(PosbenchError, match="seed=0, not seed=1"):
@@ -220,6 +222,7 @@ def test_eval_split_train_reproduces_the_seed_measurement(tmp_path):
     assert results["eval"][0]["split"] == "train"
 
 
+@pytest.mark.slow
 def test_results_record_the_software_versions(trained_run):
     results = results_of(trained_run("method=nope"))
     assert results["versions"]["torch"] == torch.__version__ and results["versions"]["posbench"]

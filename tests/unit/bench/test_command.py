@@ -81,6 +81,7 @@ def test_bench_json_structure_and_values(rope_alibi_run):
             assert abs(ev["mean_loss"] - math.log(8192)) < 1.0
 
 
+@pytest.mark.slow
 def test_bench_peer_and_flops(rope_alibi_run):
     _, report = rope_alibi_run
     peer = report["peer"]
@@ -220,6 +221,7 @@ def test_a_failing_method_keeps_the_others(tmp_path, monkeypatch):
     assert "| alibi | sdpa | RuntimeError |" in md and "| nope |" in md and "peer=false" in md
 
 
+@pytest.mark.slow
 def test_bench_compiles_as_the_trainer(tmp_path, monkeypatch):
     """The model and the peer go through the trainer's compile_model, in the trainer's compile mode."""
     seen = []

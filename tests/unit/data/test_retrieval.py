@@ -35,6 +35,7 @@ def window(prepared, sample: int) -> np.ndarray:
     return tokens[sample * CONTEXT : sample * CONTEXT + CONTEXT + 1].astype(np.int64)
 
 
+@pytest.mark.slow
 def test_rate_zero_is_bitwise_todays_batches(prepared) -> None:
     """The default (rate 0) adds no hook at all: the workload's batches are the plain sampler's."""
     from types import SimpleNamespace
@@ -54,6 +55,7 @@ def test_rate_zero_is_bitwise_todays_batches(prepared) -> None:
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_composed_run_has_it_off_and_the_option_reaches_the_spec() -> None:
     from helpers import compose_config
 

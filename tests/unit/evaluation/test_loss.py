@@ -268,6 +268,7 @@ def test_window_stride_above_the_context_is_capped_and_logged() -> None:
     assert any("window_stride=64 is above the training context 16" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_a_run_evaluates_on_training_text_with_the_configured_stride(tmp_path) -> None:
     from helpers import QUICK_TRAIN, compose_config
 

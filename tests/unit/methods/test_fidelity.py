@@ -152,6 +152,7 @@ def test_drift_is_the_relative_movement_and_absolute_from_zero():
     assert z["position/tables.1/move"] == 0.0
 
 
+@pytest.mark.slow
 def test_training_logs_position_parameter_norms_and_movement_at_each_validation(tmp_path):
     results = train(compose_config("train", [*QUICK_TRAIN, "method=t5", "trainer.val_every=3"]), tmp_path, log=lambda _: None)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

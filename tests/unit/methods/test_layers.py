@@ -132,6 +132,7 @@ def test_layer_windows_intersect_with_model_window():
 
 
 @pytest.mark.skipif(not FLEX_AVAILABLE, reason="FlexAttention needs torch>=2.5")
+@pytest.mark.slow
 def test_flex_and_sdpa_forward_match_eager_with_per_layer_windows():
     """One BlockMask per distinct window (flex runs forward on the CPU, uncompiled)."""
     pattern = ["nope", "rope@6", {"method": "alibi", "window": 11}, "rope@6"]  # t5 keeps out of flex

@@ -283,6 +283,7 @@ def test_kerple_projects_before_the_step_and_not_inside_a_compiled_forward():
     torch.testing.assert_close(model.position.r1.detach(), torch.full_like(model.position.r1, 0.01))  # projected first
 
 
+@pytest.mark.slow
 def test_kerple_default_compile_keeps_the_eager_numbers():
     """The projection moved out of the graph: a compiled step computes what eager computes."""
     eager, compiled = tiny_model("kerple", "sdpa"), tiny_model("kerple", "sdpa")

@@ -118,6 +118,7 @@ def test_discover_runs(sweep: Path, tmp_path: Path) -> None:
     assert discover_runs([running])[1][0][1].startswith("interrupted: stopped at step 7")
 
 
+@pytest.mark.slow
 def test_plot_runs_writes_figures_and_tables(sweep: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     lines: list[str] = []

@@ -368,6 +368,7 @@ def test_cli_trains_a_task_and_plots_two_runs(tmp_path):
             assert band is None or (band.mean, band.low, band.kind) == (value["mean"], value["low"], value["kind"])
 
 
+@pytest.mark.slow
 def test_a_run_refuses_bad_task_settings_before_any_work():
     def refusal(*overrides: str) -> str:
         with pytest.raises(PosbenchError) as err:

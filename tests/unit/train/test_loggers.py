@@ -161,6 +161,7 @@ def test_offline_run_logs_everything(tmp_path):
     assert list((sync_dir / "files" / "media" / "images").rglob("*.png"))
 
 
+@pytest.mark.slow
 def test_two_runs_in_one_process(tmp_path):
     """Hydra's basic launcher runs multirun jobs sequentially in one process."""
     for seed in (0, 1):
@@ -222,6 +223,7 @@ def test_init_failure_degrades_to_noop(monkeypatch, tmp_path):
                         "continuing without W&B logging"]
 
 
+@pytest.mark.slow
 def test_online_failure_falls_back_to_offline(monkeypatch, tmp_path):
     real_init = wandb.init
 
