@@ -68,7 +68,7 @@ def trained_run(finished_runs: dict[tuple[str, ...], Path], tmp_path_factory: py
                 tmp_path: Path) -> Callable[..., Path]:
     """``trained_run(*overrides)``: a finished quick tiny run (helpers.QUICK_TRAIN, then
     ``overrides``) of the test's own, in ``tmp_path/run`` (``run-1``, ... for more). Each distinct
-    list of overrides trains once per session; every call gets a fresh copy of that run directory,
+    list of overrides trains once per pytest run; every call gets a fresh copy of that run directory,
     which the test may change. For tests that inspect or re-evaluate a finished run, not for those
     that watch the training itself (its log lines, its return value, a fault injected mid-run)."""
     copies = 0
