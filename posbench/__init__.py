@@ -18,11 +18,12 @@ from typing import Any
 __version__ = "0.3.0"
 
 
-def list_methods() -> list[str]:
-    """Names of every registered position method (the valid ``method=`` values)."""
+def list_methods(layout: str | None = "sequence") -> list[str]:
+    """Names of the registered position methods for ``layout``: ``sequence`` (the language
+    model's, the default), ``grid`` (the grid encoder's, docs/grid.md), or None for all."""
     from posbench.methods import list_methods as _list
 
-    return _list()
+    return _list(layout)
 
 
 def create_model(

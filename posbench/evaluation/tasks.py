@@ -152,7 +152,8 @@ def validation_batches(task: Task, context: int, val_sequences: int, extrapolati
     """The in-training validation sets (stream VALID): ``val`` at C and, when asked, ``val_<C>_<2C>``."""
     sets = {"val": task.sequences(VALID, context, val_sequences)}
     if extrapolation_sequences:
-        sets[f"val_{context}_{2 * context}"] = task.sequences(VALID, 2 * context, extrapolation_sequences)
+        length = task.extrapolation_length()  # 2C (a grid task: twice the side)
+        sets[f"val_{context}_{length}"] = task.sequences(VALID, length, extrapolation_sequences)
     return sets
 
 
@@ -165,7 +166,7 @@ def validation_metrics(model: nn.Module, task: Task, sets: dict[str, Batch], con
         correct, loss = answer_scores(model, batch, batch_size, device, autocast_dtype)
         answers = batch.answers.copy()
         if name != "val":
-            answers[:, :context] = False
+            answers &= task.beyond_context(answers.shape[1])[None, :]  # past C (a grid: outside its square)
         else:
             row["val_loss"] = float(loss[answers].mean())
         row[name.replace("val", "val_accuracy", 1)] = float(correct[answers].mean()) if answers.any() else float("nan")

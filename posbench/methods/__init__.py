@@ -14,6 +14,7 @@ from posbench.config import listing_order
 from posbench.config.settings import coerce_value
 from posbench.core.errors import PosbenchError
 from posbench.methods.base import (
+    LAYOUTS,
     DenseScore,
     InputTable,
     ModelDims,
@@ -22,8 +23,13 @@ from posbench.methods.base import (
     Rotary,
     ScoreFn,
     ValueTerm,
+    cell_at,
+    cell_index_grid,
     dense_score,
     distance,
+    grid_offset,
+    grid_positions,
+    grid_side,
     index_grid,
     needs,
     position_at,
@@ -50,9 +56,10 @@ def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
-def list_methods() -> list[str]:
-    """Names of all registered position methods (the valid ``method=`` values)."""
-    return list(_REGISTRY)
+def list_methods(layout: str | None = "sequence") -> list[str]:
+    """Names of the registered position methods made for ``layout`` (``sequence``: the language
+    model's, the default; ``grid``: the grid encoder's; None: all, the valid ``method=`` values)."""
+    return [name for name, cls in _REGISTRY.items() if layout is None or layout in cls.layouts]
 
 
 def method_class(name: str) -> type[PositionMethod]:
@@ -119,6 +126,7 @@ for _module in _method_modules():
     importlib.import_module(f"posbench.methods.{_module}")
 
 __all__ = [
+    "LAYOUTS",
     "DenseScore",
     "InputTable",
     "ModelDims",
@@ -128,8 +136,13 @@ __all__ = [
     "ValueTerm",
     "build_base",
     "build_method",
+    "cell_at",
+    "cell_index_grid",
     "dense_score",
     "distance",
+    "grid_offset",
+    "grid_positions",
+    "grid_side",
     "index_grid",
     "list_methods",
     "method_class",

@@ -32,6 +32,7 @@ Positions are explicit: ``(T,)`` (``arange(T)`` by default, shared by the batch)
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -109,6 +110,48 @@ def distance(positions: Tensor, b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Ten
     return position_at(positions, b, q_idx) - position_at(positions, b, kv_idx)
 
 
+# ----------------------------------------------------------------------------- the grid layout
+# On a grid (the bidirectional grid encoder, docs/grid.md) a token's position is its cell
+# (row, col): positions are (T, 2) (shared by the batch) or (B, T, 2), int64, row-major order.
+
+LAYOUTS = ("sequence", "grid")
+
+
+def grid_positions(height: int, width: int, device: torch.device | str | None = None) -> Tensor:
+    """The cells of a ``height x width`` grid in row-major order -> (height * width, 2) (row, col)."""
+    rows = torch.arange(height, device=device).repeat_interleave(width)  # (T,)
+    cols = torch.arange(width, device=device).repeat(height)  # (T,)
+    return torch.stack((rows, cols), dim=-1)  # (T, 2)
+
+
+def grid_side(length: int) -> int:
+    """The side of the square grid of ``length`` cells (one clear error when there is none)."""
+    side = math.isqrt(length)
+    if side * side != length:
+        raise PosbenchError(f"a grid of {length} cells is not square; grid lengths are side**2 (e.g. 64, 256, 1024)")
+    return side
+
+
+def cell_at(positions: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+    """(row, col) of sequence index ``idx`` (in batch row ``b``) -> (..., 2); positions (T, 2) or (B, T, 2)."""
+    return positions[idx] if positions.dim() == 2 else positions[b, idx]
+
+
+def cell_index_grid(positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`index_grid` for grid positions (T, 2) or (B, T, 2)."""
+    T = positions.shape[-2]
+    idx = torch.arange(T, device=positions.device)
+    batch = positions.shape[0] if positions.dim() == 3 else 1
+    b = torch.arange(batch, device=positions.device).view(-1, 1, 1, 1)
+    return b, idx.view(1, 1, -1, 1), idx.view(1, 1, 1, -1)
+
+
+def grid_offset(positions: Tensor, b: Tensor, q_idx: Tensor, kv_idx: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dy, dx)`` = cell(q) - cell(kv), row and column offsets from key to query (either sign)."""
+    offset = cell_at(positions, b, q_idx) - cell_at(positions, b, kv_idx)  # (..., 2)
+    return offset[..., 0], offset[..., 1]
+
+
 class PositionMethod(nn.Module):
     """Base class: no position information at all (every hook is the identity).
 
@@ -120,6 +163,10 @@ class PositionMethod(nn.Module):
     """
 
     name: ClassVar[str] = ""
+    layouts: ClassVar[tuple[str, ...]] = ("sequence",)
+    """Where the method runs: ``sequence`` (the causal language model; positions (T,) or (B, T)),
+    ``grid`` (the bidirectional grid encoder; positions (T, 2) or (B, T, 2), (row, col) per token,
+    see :func:`grid_positions`), or both (nope). A model refuses a method not made for its layout."""
     has_score_term: ClassVar[bool] = False
     uses_positions: ClassVar[bool] = True
     relative_scores: ClassVar[bool] = False

@@ -19,6 +19,7 @@ from posbench.methods.base import ModelDims, PositionMethod
 @register
 class NoPE(PositionMethod):
     name = "nope"
+    layouts = ("sequence", "grid")  # reads no positions: on the grid encoder it sees a bag of cells
     uses_positions = False
 
     def __init__(self, dims: ModelDims) -> None:

@@ -1,4 +1,5 @@
-"""Causal attention backends that all consume the same position-method description.
+"""Attention backends that all consume the same position-method description: causal for the
+language model, bidirectional (``causal=False``) for the grid encoder.
 
 - ``eager``: explicit fp32 softmax; the reference every other path is tested against. The only
   backend that holds the attention probabilities (:func:`eager_probabilities`, which ``posbench
@@ -75,18 +76,21 @@ def resolve_backend(
     return next(backend for backend in preferences if backend not in limits)
 
 
-def visible(q_idx: Tensor, kv_idx: Tensor, window: int | None = None) -> Tensor:
-    """The one mask definition: key j is visible to query i if j <= i (and i - j < window)."""
+def visible(q_idx: Tensor, kv_idx: Tensor, window: int | None = None, causal: bool = True) -> Tensor:
+    """The one mask definition: key j is visible to query i if j <= i (and i - j < window);
+    without ``causal`` (the grid encoder, which takes no window) every key is visible."""
+    if not causal:
+        return torch.ones_like(q_idx >= kv_idx)
     allowed = q_idx >= kv_idx
     if window is not None:
         allowed = allowed & (q_idx - kv_idx < window)
     return allowed
 
 
-def causal_mask(length: int, device: torch.device, window: int | None = None) -> Tensor:
+def causal_mask(length: int, device: torch.device, window: int | None = None, causal: bool = True) -> Tensor:
     """:func:`visible` on the full grid -> (T, T) bool."""
     idx = torch.arange(length, device=device)
-    return visible(idx[:, None], idx[None, :], window)
+    return visible(idx[:, None], idx[None, :], window, causal)
 
 
 def add_value_term(out: Tensor, probs: Tensor, value: ValueTerm) -> Tensor:
@@ -100,16 +104,19 @@ def add_value_term(out: Tensor, probs: Tensor, value: ValueTerm) -> Tensor:
 
 
 def eager_probabilities(q: Tensor, k: Tensor, score: ScoreFn | None, window: int | None = None,
-                        normalize: Normalizer | None = None, scale: float | None = None) -> Tensor:
+                        normalize: Normalizer | None = None, scale: float | None = None,
+                        causal: bool = True) -> Tensor:
     """The eager backend's attention probabilities: softmax(q k^T / sqrt(D) + score) over the
     visible keys, in fp32 (also under autocast). ``normalize`` replaces the softmax over the
-    masked logits (None: the softmax). (B, H, T, D) -> (B, H, T, T)."""
+    masked logits (None: the softmax); ``causal=False``: every key is visible (the grid
+    encoder). (B, H, T, D) -> (B, H, T, T)."""
     B, H, T, D = q.shape
     with torch.autocast(q.device.type, enabled=False):
         logits = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * (D**-0.5 if scale is None else scale)
         if score is not None:
             logits = logits + dense_score(score, B, H, T, q.device).float()
-        logits = logits.masked_fill(~causal_mask(T, q.device, window), float("-inf"))
+        if causal:
+            logits = logits.masked_fill(~causal_mask(T, q.device, window), float("-inf"))
         return logits.softmax(dim=-1) if normalize is None else normalize(logits)  # (B, H, T, T)
 
 
@@ -125,16 +132,21 @@ def eager_output(probs: Tensor, v: Tensor, value: ValueTerm | None = None) -> Te
 
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
                     window: int | None = None, value: ValueTerm | None = None,
-                    normalize: Normalizer | None = None, scale: float | None = None) -> Tensor:
+                    normalize: Normalizer | None = None, scale: float | None = None,
+                    causal: bool = True) -> Tensor:
     """Reference: softmax(q k^T / sqrt(D) + score) v in fp32, also under autocast. (B, H, T, D).
     ``normalize`` replaces the softmax over the masked logits (None: the softmax)."""
-    return eager_output(eager_probabilities(q, k, score, window, normalize, scale), v, value)
+    return eager_output(eager_probabilities(q, k, score, window, normalize, scale, causal), v, value)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
                    window: int | None = None, value: ValueTerm | None = None,
-                   normalize: Normalizer | None = None, scale: float | None = None) -> Tensor:
+                   normalize: Normalizer | None = None, scale: float | None = None,
+                   causal: bool = True) -> Tensor:
     check_softmax_only("sdpa", value, normalize)
+    if not causal:  # the grid encoder: every key visible, no window
+        mask = None if score is None else dense_score(score, *q.shape[:3], q.device).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if score is None and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     B, H, T, _ = q.shape
@@ -190,7 +202,8 @@ def _compiled_flex():
 
 def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, block_mask=None,
                            window: int | None = None, value: ValueTerm | None = None,
-                           normalize: Normalizer | None = None, scale: float | None = None) -> Tensor:
+                           normalize: Normalizer | None = None, scale: float | None = None,
+                           causal: bool = True) -> Tensor:
     check_softmax_only("flex", value, normalize)
     if not q.is_cuda and torch.is_grad_enabled() and q.requires_grad:
         # Refuse before the forward: torch's CPU FlexAttention has no backward, and its
@@ -200,7 +213,7 @@ def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | Non
             "use model.attention=sdpa (auto picks it on the CPU)"
         )
     T = q.shape[-2]
-    if block_mask is None:
+    if block_mask is None and causal:  # non-causal (the grid encoder): no mask, every block computed
         block_mask = causal_block_mask(T, str(q.device), window)
     score_mod = None
     if score is not None:
@@ -217,16 +230,17 @@ def flex_attention_backend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | Non
 
 _IMPLEMENTATIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "flex": flex_attention_backend}
 
-# fn(q, k, v, score, window, value, normalize) -> (B, H, T, D): computes attention in place of the backend.
+# fn(q, k, v, score, window, value, normalize, causal) -> (B, H, T, D): computes attention in
+# place of the backend.
 AttentionHook = Callable[[Tensor, Tensor, Tensor, "ScoreFn | None", "int | None", "ValueTerm | None",
-                          "Normalizer | None"], Tensor]
+                          "Normalizer | None", bool], Tensor]
 _HOOKS: list[AttentionHook] = []
 
 
 @contextlib.contextmanager
 def attention_hook(fn: AttentionHook) -> Iterator[None]:
-    """Within the block, :func:`attend` calls ``fn(q, k, v, score, window, value, normalize)`` instead of
-    the backend (the innermost hook wins), so ``fn`` sees exactly what the model hands it."""
+    """Within the block, :func:`attend` calls ``fn(q, k, v, score, window, value, normalize, causal)``
+    instead of the backend (the innermost hook wins), so ``fn`` sees exactly what the model hands it."""
     _HOOKS.append(fn)
     try:
         yield
@@ -272,7 +286,7 @@ def with_key_bias(score: ScoreFn | None, key_bias: Tensor) -> ScoreFn:
 
 def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, backend: str, block_mask=None,
            window: int | None = None, value: ValueTerm | None = None, normalize: Normalizer | None = None,
-           key_bias: Tensor | None = None) -> Tensor:
+           key_bias: Tensor | None = None, causal: bool = True) -> Tensor:
     """Causal attention with an optional additive score term. (B, H, T, D) -> (B, H, T, D).
 
     ``block_mask``: flex's BlockMask, built once per forward by the model and shared by its
@@ -281,13 +295,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, backend: str,
     positions back are masked (the window baseline). ``value``: a value-side term (eager only).
     ``normalize``: replaces the softmax (eager only; see ``PositionMethod.normalizer``).
     ``key_bias``: (B, H, T) added to every query's logit of key j (``PositionMethod.key_bias``).
+    ``causal=False``: every key is visible to every query (the grid encoder; no window).
     """
     if key_bias is not None and (_HOOKS or backend == "eager"):
         score, key_bias = with_key_bias(score, key_bias), None
     if _HOOKS:  # an attention_hook is active (e.g. posbench viz recording the weights)
-        return _HOOKS[-1](q, k, v, score, window, value, normalize)
+        return _HOOKS[-1](q, k, v, score, window, value, normalize, causal)
     if key_bias is None:
-        return _IMPLEMENTATIONS[backend](q, k, v, score, block_mask, window, value, normalize)
+        return _IMPLEMENTATIONS[backend](q, k, v, score, block_mask, window, value, normalize, causal=causal)
     D = v.shape[-1]
     q, k, v, scale = fold_key_bias(q, k, v, key_bias)
-    return _IMPLEMENTATIONS[backend](q, k, v, score, block_mask, window, value, normalize, scale)[..., :D]
+    return _IMPLEMENTATIONS[backend](q, k, v, score, block_mask, window, value, normalize, scale,
+                                     causal=causal)[..., :D]

@@ -52,7 +52,11 @@ def randomize_max_from_config(cfg: Any, method: str | PositionMethod, context: i
             f"positions.randomize_max must be an integer >= trainer.context={context}, got {value!r}; "
             f"e.g. positions.randomize_max={8 * context}"
         )
-    reads_positions = (method_class(method) if isinstance(method, str) else method).uses_positions
+    cls = method_class(method) if isinstance(method, str) else method
+    reads_positions = cls.uses_positions
+    if "sequence" not in cls.layouts:
+        raise PosbenchError(f"positions.randomize_max draws sequence positions; method={cls.name} is a grid method, "
+                            "remove positions.randomize_max")
     if not isinstance(method, str):
         method = method.name
     if not reads_positions:

@@ -1,5 +1,9 @@
 """A Llama-style causal transformer whose position information comes from a pluggable method.
 
+The same body is the bidirectional grid encoder (``model.layout=grid``, docs/grid.md): every token
+attends to every token, a token's position is its cell (row, col), and the head predicts a label
+per cell.
+
     tokens -> embedding (+ method.input_embedding)
            -> n_layers x [x + Attn(RMSNorm(x)),  x + SwiGLU(RMSNorm(x))]
            -> RMSNorm -> LM head -> logits
@@ -25,7 +29,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from posbench.core.errors import PosbenchError
-from posbench.methods import ModelDims, PositionMethod, build_method
+from posbench.methods import LAYOUTS, ModelDims, PositionMethod, build_method, grid_positions, grid_side
 from posbench.model.attention import BACKENDS, attend, causal_block_mask, prebuilt_block_mask, resolve_backend
 
 
@@ -60,6 +64,10 @@ class ModelConfig:
     attention_window: int | None = None
     """Sliding-window baseline (Chi et al. 2023): each query sees only its last W keys, itself
     included; None = full causal attention. Combines with any method."""
+    layout: str = "sequence"
+    """``sequence``: the causal language model. ``grid``: the bidirectional grid encoder (every
+    token sees every token; a token's position is its cell (row, col) of a square grid, read
+    by the grid methods). Set by the trainer from the task (a grid task: docs/grid.md)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +109,11 @@ class ModelConfig:
             raise PosbenchError(
                 f"model.attention_window must be a positive integer or null, got {self.attention_window!r}"
             )
+        if self.layout not in LAYOUTS:
+            raise PosbenchError(f"model.layout={self.layout!r} is not a layout; choose one of {', '.join(LAYOUTS)}")
+        if self.layout == "grid" and self.attention_window is not None:
+            raise PosbenchError("model.attention_window is a causal sliding window; the grid encoder takes none "
+                                "(set model.attention_window=null)")
         if self.attention not in BACKENDS:
             raise PosbenchError(
                 f"model.attention={self.attention!r} is not a backend; choose one of {', '.join(BACKENDS)}"
@@ -115,7 +128,14 @@ class ModelConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        values = asdict(self)
+        if values["layout"] == "sequence":  # the language model's records stay as they were
+            del values["layout"]
+        return values
+
+    @property
+    def causal(self) -> bool:
+        return self.layout == "sequence"
 
 
 class Attention(nn.Module):
@@ -124,6 +144,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads = cfg.n_heads
         self.backend = cfg.attention
+        self.causal = cfg.causal
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
@@ -136,7 +157,7 @@ class Attention(nn.Module):
         value = method.value_term(positions, self.layer)
         backend = resolve_backend(self.backend, method, x.device, window)
         y = attend(q, k, v, score, backend, block_mask, window, value, method.normalizer(self.layer),
-                   method.key_bias(x, self.layer))  # (B, H, T, D)
+                   method.key_bias(x, self.layer), causal=self.causal)  # (B, H, T, D)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -180,6 +201,11 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, method: PositionMethod) -> None:
         super().__init__()
+        if cfg.layout not in method.layouts:
+            raise PosbenchError(
+                f"method={method.name} is not made for the {cfg.layout} layout; "
+                f"choose a {cfg.layout} method ({', '.join(_methods_for(cfg.layout))})"
+            )
         self.cfg = cfg
         self.position = method
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -208,19 +234,28 @@ class Transformer(nn.Module):
         """(B, T) token ids -> (B, T, d_model) final normalised hidden states.
 
         ``positions``: (T,) or (B, T) position ids (randomized positions give each sequence its
-        own row); default ``arange(T)``.
+        own row); default ``arange(T)``. On the grid layout: (T, 2) or (B, T, 2) cells (row, col);
+        default the cells of the square grid of T tokens in row-major order.
         """
         B, T = idx.shape
         windows = layer_windows(self.cfg, self.position)
         block_masks = {}  # once per forward and distinct window, shared by the layers that use it
         build_mask = prebuilt_block_mask if self.prebuilt_masks else causal_block_mask
         for window in dict.fromkeys(windows):
-            if resolve_backend(self.cfg.attention, self.position, idx.device, window) == "flex":
+            if self.cfg.causal and resolve_backend(self.cfg.attention, self.position, idx.device, window) == "flex":
                 block_masks[window] = build_mask(T, str(idx.device), window)
-        if positions is None:
-            positions = torch.arange(T, device=idx.device)
-        if positions.shape not in ((T,), (B, T)):
-            raise PosbenchError(f"positions must have shape ({T},) or ({B}, {T}), got {tuple(positions.shape)}")
+        if self.cfg.causal:
+            if positions is None:
+                positions = torch.arange(T, device=idx.device)
+            if positions.shape not in ((T,), (B, T)):
+                raise PosbenchError(f"positions must have shape ({T},) or ({B}, {T}), got {tuple(positions.shape)}")
+        else:
+            if positions is None:
+                side = grid_side(T)
+                positions = grid_positions(side, side, idx.device)
+            if positions.shape not in ((T, 2), (B, T, 2)):
+                raise PosbenchError(f"grid positions must have shape ({T}, 2) or ({B}, {T}, 2), "
+                                    f"got {tuple(positions.shape)}")
         x = self.embed(idx)  # (B, T, C)
         pos_emb = self.position.input_embedding(positions)  # (T, C) or (B, T, C)
         if pos_emb is not None:
@@ -248,6 +283,12 @@ class Transformer(nn.Module):
             if not self.cfg.tie_embeddings:
                 total -= self.lm_head.weight.numel()
         return total
+
+
+def _methods_for(layout: str) -> list[str]:
+    from posbench.methods import list_methods
+
+    return list_methods(layout)
 
 
 def layer_windows(cfg: ModelConfig, method: PositionMethod) -> list[int | None]:

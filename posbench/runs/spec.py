@@ -161,6 +161,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     if not saved:
         data.check_path_is_read()
     task, task_options = task_config(cfg.get("task"), trainer, evaluation)
+    model = replace(model, layout=check_layout(probe, task))
     if task is not None and data.retrieval.active:
         raise PosbenchError(f"data.retrieval writes into text windows, and task={task.name} runs have none; "
                             "drop data.retrieval.rate")
@@ -168,6 +169,22 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
         raise PosbenchError(f"seed={seed}: a task run's seed must be >= 0 (it seeds the training sequences)")
     return RunSpec(trainer, evaluation, model, method, data, seed,
                    str(cfg.get("run_name", f"{method.name}-s{seed}")), task, task_options)
+
+
+def check_layout(method: Any, task: Task | None) -> str:
+    """The model's layout (a grid task's: the grid encoder), refused in one line when the method
+    is not made for it."""
+    layout = "sequence" if task is None else task.layout
+    if layout in method.layouts:
+        return layout
+    from posbench.methods import list_methods
+
+    if layout == "grid":
+        raise PosbenchError(f"method={method.name} is a sequence method and task={task.name} runs on the grid encoder; "
+                            f"choose a grid method: {', '.join(list_methods('grid'))}")
+    where = "a text run" if task is None else f"task={task.name}"
+    raise PosbenchError(f"method={method.name} is a grid method and {where} runs on the sequence model; "
+                        "use a grid task (docs/grid.md) or a sequence method")
 
 
 def task_config(section: Any, trainer: TrainerConfig, evaluation: EvalConfig) -> tuple[Task | None, dict[str, Any]]:

@@ -109,6 +109,9 @@ class Task:
     """
 
     name: str = ""
+    layout: str = "sequence"
+    """The model the task is read by: ``sequence`` (the causal language model) or ``grid`` (the
+    bidirectional grid encoder, :mod:`posbench.tasks.grid`); the trainer sets ``model.layout`` from it."""
     vocab: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ("accuracy",)
     TESTS: tuple[str, ...] = (STANDARD,)
@@ -190,6 +193,15 @@ class Task:
 
     def check_length(self, length: int) -> None:
         """Refuse an evaluation length the task cannot fill (one line)."""
+
+    def extrapolation_length(self) -> int:
+        """The length of the in-training validation set past C (``val_accuracy_<C>_<this>``): 2C."""
+        return 2 * self.context
+
+    def beyond_context(self, length: int) -> np.ndarray:
+        """(L,) bool: the targets of a ``length``-long sequence that lie past the training
+        context (positions >= C), those the in-training ``val_accuracy_<C>_<2C>`` reads."""
+        return np.arange(length) >= self.context
 
     def check_lengths(self, lengths: Sequence[int]) -> None:
         """Refuse evaluation ``lengths`` before any work, naming at once what all of them need."""

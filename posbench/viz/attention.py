@@ -70,11 +70,11 @@ def recording_attention(n_layers: int, map_layers: Sequence[int]) -> Iterator[At
     record = AttentionRecord()
 
     def attend(q: Tensor, k: Tensor, v: Tensor, score: ScoreFn | None, window: int | None,
-               value: ValueTerm | None, normalize: Normalizer | None) -> Tensor:
+               value: ValueTerm | None, normalize: Normalizer | None, causal: bool = True) -> Tensor:
         layer = len(record.layers)
         if layer >= n_layers:
             raise RuntimeError("recording_attention records one forward pass only")
-        probs = eager_probabilities(q, k, score, window, normalize)  # (B, H, T, T)
+        probs = eager_probabilities(q, k, score, window, normalize, causal=causal)  # (B, H, T, T)
         record.layers.append(layer_stats(probs, score, keep_maps=layer in map_layers))
         return eager_output(probs, v, value)
 

@@ -7,8 +7,9 @@ from helpers import compose_config
 from omegaconf import OmegaConf
 
 from posbench.config import config_dir, config_names
-from posbench.methods import list_methods, method_options
+from posbench.methods import list_methods, method_class, method_options
 from posbench.runs.spec import build_spec
+from posbench.tasks.base import task_class
 
 PRIMARY = ["train", "prepare", "eval", "plot", "bench", "viz"]
 TRAIN_GROUPS = ["method", "model", "data", "trainer", "eval", "logger", "experiment", "task"]
@@ -33,14 +34,18 @@ def test_every_group_option_composes_into_a_valid_spec(group, option):
     overrides = [f"{group}={option}"]
     if group == "data" and option == "local":
         overrides.append("data.path=some/dir")  # local data needs a path; existence is checked later
+    if group == "method" and "sequence" not in method_class(option).layouts:
+        overrides.append("task=life")  # a grid method runs on a grid task
+    if group == "task" and task_class(option).layout == "grid":
+        overrides.append("method=axial_rope")
     cfg = compose_config("train", overrides)
     spec = build_spec(cfg)
-    assert spec.method in list_methods()
+    assert spec.method in list_methods(spec.model.layout)
 
 
 def test_method_configs_match_the_methods_options():
-    assert sorted(config_names("method")) == sorted(list_methods())
-    for name in list_methods():
+    assert sorted(config_names("method")) == sorted(list_methods(None))
+    for name in list_methods(None):
         values = OmegaConf.to_container(OmegaConf.load(config_dir() / "method" / f"{name}.yaml"))
         assert values.pop("name") == name
         assert values == method_options(name), name
