@@ -3,7 +3,7 @@
     python scripts/config_reference.py            # rewrite the generated regions of docs/configuration.md
     python scripts/config_reference.py --check    # exit 1 when the page differs from what the code gives
 
-A group whose settings are a dataclass (``posbench.config.settings_groups()``: ``trainer``,
+A group whose settings are a dataclass (``posbench.config.settings_groups()``: ``trainer``, ``bench``,
 ``eval``) has its table rendered from the fields: the key (a nested settings dataclass, such as
 ``eval.copy``, gives ``copy.<field>`` rows), the default, and the field's docstring, which is the
 one place a key is documented. The table sits between ``<!-- config-reference: <group> -->`` and
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, get_type_hints
 
 from posbench.commands.cli import run_script
-from posbench.config import settings_groups
+from posbench.config import composed_groups, settings_groups
 from posbench.core.errors import PosbenchError
 from posbench.core.io import write_text_atomic
 
@@ -78,7 +78,8 @@ def meaning_text(doc: str) -> str:
 def table(group: str, cls: type) -> str:
     """The generated region of ``group``: its heading and key table."""
     module = cls.__module__.replace(".", "/") + ".py"
-    lines = [f"**`{group}`** (`{module}`: `{cls.__name__}`)", "",
+    title = f"**`{group}`**" if group in composed_groups("train") else f"**posbench {group}**"  # a command's own keys
+    lines = [f"{title} (`{module}`: `{cls.__name__}`)", "",
              "| key | default | meaning |", "|---|---|---|"]
     lines += [f"| `{key}` | {value_text(default)} | {meaning_text(doc)} |" for key, default, doc in rows(cls)]
     return "\n".join(lines)

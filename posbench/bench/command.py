@@ -31,11 +31,12 @@ import torch
 from omegaconf import DictConfig
 
 import posbench
+from posbench.bench.checks import settings_from_config
 from posbench.bench.flops import FLOP_FORMULA, matmul_parameters, resolve_peak_tflops, train_flops_per_token
 from posbench.bench.measure import Env, bench_method
 from posbench.bench.peer import bench_peer, peer_twin
 from posbench.bench.report import render_markdown
-from posbench.bench.settings import BenchSettings, settings_from_config
+from posbench.bench.settings import BenchSettings
 from posbench.bench.timing import CONTENDED_SPREAD, cpu_cores, free_memory, load_average, overloaded
 from posbench.core.errors import PosbenchError, one_line
 from posbench.core.io import write_json_atomic, write_text_atomic

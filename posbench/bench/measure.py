@@ -29,8 +29,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from posbench.bench.checks import method_config
 from posbench.bench.flops import matmul_parameters, mfu, train_flops_per_token
-from posbench.bench.settings import BenchSettings, method_config
+from posbench.bench.settings import BenchSettings
 from posbench.bench.timing import (
     contention,
     free_memory,

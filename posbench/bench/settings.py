@@ -1,5 +1,7 @@
-"""The typed settings of ``posbench bench`` (``configs/bench.yaml``) and the checks that run
-before any timing: every user error of the command is one line from here."""
+"""The typed settings of ``posbench bench``: their defaults and documentation, written once here
+(Hydra's ConfigStore holds them as ``bench_settings``, which ``configs/bench.yaml`` composes;
+docs/configuration.md's bench table is generated from this class). A layer-1 module: the checks
+that need the methods and the model shape are :mod:`posbench.bench.checks`."""
 
 from __future__ import annotations
 
@@ -7,21 +9,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
-from posbench.methods import list_methods, method_class
-from posbench.model.transformer import ModelConfig
-from posbench.runs.spec import MethodSpec
 
 
 @dataclass
 class BenchSettings:
-    """What ``posbench bench`` measures and how. The defaults are ``configs/bench.yaml``'s
-    (a test keeps the two equal); the model shape is the ``model`` group, a :class:`ModelConfig`."""
+    """What ``posbench bench`` measures and how; the model shape is the ``model`` group, a
+    :class:`posbench.model.transformer.ModelConfig` (``configs/bench.yaml``: ``model: small``)."""
 
-    methods: list[str] = field(default_factory=lambda: ["all"])
+    methods: list[str] | str = "all"
     """Position methods to time, in this order: ``all`` (every registered method, in registry
     order) or a list of names, e.g. ``[rope,alibi]``. Validated into the list of names."""
     batch_size: int = 64
@@ -53,16 +49,17 @@ class BenchSettings:
     vocab_size: int = 8192
     """Vocabulary of the model and of the random tokens (overrides ``model.vocab_size``)."""
     peak_tflops: float | str | None = "auto"
-    """Peak dense TFLOP/s for MFU: ``auto`` (the bf16 peak of a known GPU, a measured matmul peak
-    on the CPU), None (``null``: no MFU) or a positive number."""
+    """Peak dense TFLOP/s for MFU: ``auto`` (the bf16 dense peak of a known GPU: H200 and H100
+    SXM 989.4, A100 312, L4 121, else no MFU; on the CPU a measured matmul peak), None (no MFU)
+    or a positive number."""
     out: str | None = None
     """Folder for ``bench.json`` and ``bench.md``; None = the Hydra run directory."""
     debug: bool = False
     """Full tracebacks; stop at the first failing method."""
 
     def validate(self) -> None:
-        """Ranges and choices (the types were checked by :func:`from_section`)."""
-        self.methods = resolve_methods(self.methods)
+        """Ranges and choices (the types were checked by ``from_section``; the method names by
+        :func:`posbench.bench.checks.resolve_methods`)."""
         for name in ("batch_size", "context", "steps", "eval_batch_size", "eval_steps", "vocab_size"):
             _check_int(name, getattr(self, name))
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
@@ -84,7 +81,7 @@ def _check_int(name: str, value: Any, minimum: int = 1, example: str | None = No
     return value
 
 
-def _peak(value: Any) -> float | str | None:
+def parse_peak(value: Any) -> float | str | None:
     """``auto`` / ``null`` / a positive number of TFLOP/s -> ``"auto"``, None or a float."""
     if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
         return None
@@ -95,67 +92,4 @@ def _peak(value: Any) -> float | str | None:
     return float(value)
 
 
-def resolve_methods(value: Any) -> list[str]:
-    """``all`` / a name / a list of names -> registered method names (order kept, deduplicated)."""
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)) or not names:
-        raise PosbenchError(f"methods must be all or a non-empty list like [rope,alibi], got {value!r}")
-    if len(names) == 1 and isinstance(names[0], str) and names[0].strip().lower() == "all":
-        return list_methods()
-    out: list[str] = []
-    for name in names:
-        if not isinstance(name, str):
-            raise PosbenchError(f"methods must list method names, got {name!r}; e.g. methods=[rope,alibi]")
-        method_class(name)  # unknown -> PosbenchError naming the valid ones
-        if name not in out:
-            out.append(name)
-    return out
-
-
-def settings_from_config(cfg: DictConfig | dict[str, Any]) -> tuple[BenchSettings, ModelConfig]:
-    """The composed bench config -> (settings, model shape), every user error a one-line
-    :class:`PosbenchError`, each method checked against the shape before any timing."""
-    values = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    values.pop("hydra", None)
-    model_values = dict(values.pop("model", None) or {})
-    peak = _peak(values.pop("peak_tflops", "auto"))  # a word or a number: no one type to check
-    settings = from_section(BenchSettings, "", _expand_shorthands(values))
-    settings.peak_tflops = peak
-    model_values["vocab_size"] = settings.vocab_size
-    model_cfg = from_section(ModelConfig, "model", model_values)
-    for name in settings.methods:
-        _check_method(name, model_cfg, settings)
-    return settings, model_cfg
-
-
-def _expand_shorthands(values: dict[str, Any]) -> dict[str, Any]:
-    """What the command line writes short: ``methods=null`` (all), ``eval_lengths=512`` (one
-    length), ``eval_lengths=null`` (none), ``out=2024`` (a folder name Hydra reads as a number)."""
-    if "methods" in values and values["methods"] is None:
-        values["methods"] = "all"
-    lengths = values.get("eval_lengths")
-    if "eval_lengths" in values and lengths is None:
-        values["eval_lengths"] = []
-    elif isinstance(lengths, int) and not isinstance(lengths, bool):
-        values["eval_lengths"] = [lengths]
-    if values.get("out") is not None and not isinstance(values["out"], str):
-        values["out"] = str(values["out"])
-    return values
-
-
-def method_config(name: str) -> dict[str, Any]:
-    """The method's options from ``configs/method/<name>.yaml`` (constructor defaults if none)."""
-    return MethodSpec.defaults(name).options
-
-
-def _check_method(name: str, model_cfg: ModelConfig, settings: BenchSettings) -> None:
-    """Build the method on the meta device: shape problems surface before any timing."""
-    try:
-        probe = MethodSpec.defaults(name).probe(model_cfg.dims)
-    except PosbenchError as err:
-        raise PosbenchError(f"{err}; pick another model= or methods=") from None
-    if probe.max_positions is not None and settings.context > probe.max_positions:
-        raise PosbenchError(
-            f"method {name} supports positions up to {probe.max_positions} but context={settings.context}; "
-            f"lower context or leave {name} out of methods"
-        )
+__all__ = ["BenchSettings", "parse_peak"]

@@ -27,10 +27,11 @@ def settings_groups() -> dict[str, type]:
     the class (``scripts/config_reference.py``, between ``<!-- config-reference: <name> -->``
     marks). A new section's dataclass is added here, its module in layer 1 or below
     (docs/architecture.md, "Settings")."""
+    from posbench.bench.settings import BenchSettings
     from posbench.evaluation.settings import EvalConfig
     from posbench.train.settings import TrainerConfig
 
-    return {"trainer": TrainerConfig, "eval": EvalConfig}
+    return {"trainer": TrainerConfig, "eval": EvalConfig, "bench": BenchSettings}
 
 
 @functools.cache

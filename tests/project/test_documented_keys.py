@@ -37,6 +37,8 @@ def documented_keys() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         for line in doc.read_text().splitlines():
             if match := GROUP_HEADING.match(line):
                 group, header = match.group(1), None
+            elif line.startswith("**"):  # another heading (a command's own keys, `hydra/launcher`)
+                group, header = None, None
             elif not line.startswith("|"):
                 header = None if line.strip() == "" else header
                 group = group if line.strip() == "" or header is None else None

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 import posbench
 from posbench.bench import command, flops, measure, timing
 from posbench.bench import report as bench_report
-from posbench.bench.settings import settings_from_config
+from posbench.bench.checks import settings_from_config
 from posbench.config import config_dir
 from posbench.core.errors import PosbenchError
 
