@@ -133,6 +133,7 @@ def test_results_without_variants_or_marks_read_as_before():
 # --------------------------------------------------- validation reads a spread subset
 
 
+@pytest.mark.slow
 def test_validation_subset_is_spread_seeded_and_the_same_for_every_method(tmp_path):
     import torch
 

@@ -93,6 +93,7 @@ def test_bench_peer_and_flops(rope_alibi_run):
     assert report["peer_ratio"] == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_bench_markdown(rope_alibi_run, capsys):
     out, report = rope_alibi_run
     text = (out / "bench.md").read_text()
@@ -344,6 +345,7 @@ def test_contention_flags_a_wide_spread_or_a_load_above_the_cores():
     assert timing.contention([10.0, 10.1], None, None, cores=4)["contended"] is False  # no load average known
 
 
+@pytest.mark.slow
 def test_bench_records_the_load_and_the_spread(rope_alibi_run):
     """Each timed block records the load average around it and its p10/p50/p90; the report the
     load at start and end and the core count."""
@@ -358,6 +360,7 @@ def test_bench_records_the_load_and_the_spread(rope_alibi_run):
         assert isinstance(load["contended"], bool) and load["load_average_after"] is not None
 
 
+@pytest.mark.slow
 def test_markdown_marks_contended_numbers(rope_alibi_run):
     """A contended block is marked, with its reason, and so is every ratio it enters; a clean
     report has no mark."""

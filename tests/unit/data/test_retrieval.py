@@ -70,6 +70,7 @@ def test_a_composed_run_has_it_off_and_the_option_reaches_the_spec() -> None:
     assert spec.data.retrieval == RetrievalConfig(rate=0.25, kinds=["passkey"], max_distance=64)
 
 
+@pytest.mark.slow
 def test_the_passkey_sentences_are_where_they_should_be_and_tokenized_right(prepared) -> None:
     hook = inserter(prepared, kinds=["passkey"])
     seen = set()
@@ -100,6 +101,7 @@ def test_the_passkey_sentences_are_where_they_should_be_and_tokenized_right(prep
     assert len(seen) == 40  # a fresh key per window
 
 
+@pytest.mark.slow
 def test_repeated_spans_copy_the_window_or_random_ids(prepared) -> None:
     hook = inserter(prepared, kinds=["repeat_text", "repeat_random"], span=8, min_distance=20, max_distance=100)
     kinds = set()

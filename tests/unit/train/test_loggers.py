@@ -173,6 +173,7 @@ def test_two_runs_in_one_process(tmp_path):
     assert len(ids) == 2
 
 
+@pytest.mark.slow
 def test_unfinished_previous_run_is_closed(tmp_path):
     first = _make(tmp_path, name="rope-s0", messages=[])  # a job that crashed without finish()
     second = _make(tmp_path, name="rope-s1", messages=[])
