@@ -145,5 +145,5 @@ def test_bad_options_and_extensions_are_one_line():
     with pytest.raises(ValueError, match="must be a number > 1"):
         build_method("mixed_rope", DIMS, base=1.0)
     with pytest.raises(PosbenchError, match="extension yarn does not apply to method=mixed_rope"):
-        resolve_extensions(["yarn"], "mixed_rope")
+        resolve_extensions(["yarn"], "mixed_rope", layout="grid")
     assert math.isclose(build_method("mixed_rope", DIMS).base, 10.0)
