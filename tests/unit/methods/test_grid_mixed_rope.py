@@ -103,6 +103,17 @@ def test_scores_depend_only_on_the_offset_and_mix_the_axes():
     assert torch.all(angles[:, 0, :4].abs() > 0)  # the first D/4 pairs are not x-only, as axial RoPE's are
 
 
+def test_shifting_every_cell_leaves_the_model_s_output_unchanged():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=2, layout="grid", init_std=0.2)  # sharp attention
+    model = build_model(cfg, "mixed_rope")
+    x, cells = torch.randint(0, 11, (2, 16)), grid_positions(4, 4)
+    with torch.no_grad():
+        out = model(x, positions=cells)
+        torch.testing.assert_close(model(x, positions=cells + torch.tensor([3, 7])), out, atol=1e-4, rtol=1e-4)
+        assert (model(x, positions=cells.flip(-1)) - out).abs().max() > 0.1  # a transposed grid differs
+
+
 def test_gradients_reach_every_layer_s_frequencies():
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=11, d_model=32, n_layers=3, n_heads=2, layout="grid"), "mixed_rope")
