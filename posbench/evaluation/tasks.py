@@ -136,7 +136,7 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
             with extended(model, extension, train_context, length, evaluation.extension_factor, settings) as factor:
                 correct, loss = answer_scores(model, batch, evaluation.batch_size, device, autocast_dtype)
             entry = task_entry(task, batch, correct, loss, length=length, train_context=train_context, test=test)
-            record_extension(entry, extension, factor, train_context, length, settings)
+            record_extension(entry, extension, factor, train_context, length, settings, layout=task.layout)
             entry["seconds"] = time.perf_counter() - started
             entries.append(entry)
             shown = ", ".join(f"{band}: {v['mean']:.3f}" for band, v in entry["by_position"].items() if v["n"])

@@ -53,6 +53,14 @@ The RoPE frequencies and attention factors come from ``transformers.modeling_rop
 its per-frequency factors come from an evolutionary search per model, and with uniform factors it
 degenerates to ``linear`` with a temperature.
 
+On the grid encoder (``model.layout=grid``, docs/grid.md) the rotary rules apply per axis, as FiT
+and FiTv2 apply 1D rules to each axis: ``C`` and ``L`` are the sides of the training and evaluated
+grids (8 and 32 for 64 and 1024 cells), so the default factor is the side ratio (4), not the cell
+ratio (16). Axial RoPE rotates each axis by 1D RoPE's frequencies over its own ``rotary_dim``
+channels, so the 1D rule for (train side, side) gives each axis its frequencies. The other rules
+read sequence distances or indices and are refused on the grid, as are methods that are not
+:class:`~posbench.methods.base.Rotary` (mixed_rope's learned 2D frequencies).
+
 An extension whose parameters make it the identity (factor 1, or ``L <= C`` for ``dynamic_ntk``,
 ``log_scaling`` and ``window``) is not installed, so that evaluation is the plain one bit for bit.
 """
@@ -70,7 +78,7 @@ from torch import nn
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.settings import ReRoPEConfig, SelfExtendConfig
 from posbench.methods import list_methods, method_class
-from posbench.methods.base import InputTable, PositionMethod, Rotary
+from posbench.methods.base import InputTable, PositionMethod, Rotary, grid_side
 from posbench.model.extended_position import ExtendedPosition, RelativeRemap
 
 NONE = "none"
@@ -105,11 +113,13 @@ class Extension:
     scale already follows the length), or None for rules that take no factor."""
     resolved_options: Callable[[Setting], dict[str, Any]] | None = None
     """Its own settings as used at a setting (defaults filled in), recorded in results."""
+    layouts: tuple[str, ...] = ("sequence",)
+    """The model layouts it applies to; on the grid a rule applies per axis (:func:`axis_lengths`)."""
 
-    def applies(self, method: str | PositionMethod | type[PositionMethod]) -> bool:
-        """Whether it applies to ``method`` (a name, a method or its class)."""
+    def applies(self, method: str | PositionMethod | type[PositionMethod], layout: str = "sequence") -> bool:
+        """Whether it applies to ``method`` (a name, a method or its class) on a model of ``layout``."""
         cls = method_type(method)
-        return self.applies_to is None or issubclass(cls, self.applies_to)
+        return layout in self.layouts and (self.applies_to is None or issubclass(cls, self.applies_to))
 
 
 def method_type(method: str | PositionMethod | type[PositionMethod]) -> type:
@@ -119,6 +129,19 @@ def method_type(method: str | PositionMethod | type[PositionMethod]) -> type:
     if isinstance(method, ExtendedPosition):
         return type(method.inner)
     return method if isinstance(method, type) else type(method)
+
+
+def model_layout(model: nn.Module) -> str:
+    """The layout of ``model`` (``model.cfg.layout``); ``sequence`` for a model without one."""
+    return getattr(getattr(model, "cfg", None), "layout", "sequence")
+
+
+def axis_lengths(layout: str, train_context: int, length: int) -> tuple[int, int]:
+    """(training context, evaluated length) as the rules read them: token counts on a sequence;
+    on the grid the sides of the square grids of cells, so that 1D rules apply per axis."""
+    if layout == "grid":
+        return grid_side(train_context), grid_side(length)
+    return train_context, length
 
 
 # ----------------------------------------------------------------------------- rotary rules
@@ -234,18 +257,20 @@ def _self_extend(method: PositionMethod, setting: Setting) -> ExtendedPosition |
         lambda pos: torch.div(pos, G, rounding_mode="floor").double()))
 
 
+PER_AXIS = ("sequence", "grid")  # the rotary rules: on the grid, per axis
+
 EXTENSIONS: dict[str, Extension] = {
     e.name: e
     for e in (
         Extension("linear", (Rotary, InputTable), "position interpolation: positions scaled by 1/s",
-                  _interpolate_positions),
-        Extension("ntk", (Rotary,), "NTK-aware base change: base * s^(D/(D-2))", _ntk),
+                  _interpolate_positions, layouts=PER_AXIS),
+        Extension("ntk", (Rotary,), "NTK-aware base change: base * s^(D/(D-2))", _ntk, layouts=PER_AXIS),
         Extension("dynamic_ntk", (Rotary,), "transformers' dynamic NTK for the evaluated length",
-                  _dynamic_ntk, default_factor="1"),
+                  _dynamic_ntk, default_factor="1", layouts=PER_AXIS),
         Extension("yarn", (Rotary,), "YaRN: NTK-by-parts + attention temperature 0.1 ln(s) + 1",
-                  _rope_rule("yarn")),
+                  _rope_rule("yarn"), layouts=PER_AXIS),
         Extension("llama3", (Rotary,), "Llama 3.1 rule (low/high frequency factors 1 / 4)",
-                  _rope_rule("llama3", low_freq_factor=1.0, high_freq_factor=4.0)),
+                  _rope_rule("llama3", low_freq_factor=1.0, high_freq_factor=4.0), layouts=PER_AXIS),
         Extension("log_scaling", None, "logits x max(1, log(n+1)/log C)", _log_scaling, default_factor=None),
         Extension("window", None, "sliding-window mask of width C", _window, default_factor=None),
         Extension("rerope", (Rotary,), "ReRoPE: relative positions past w (C/8) clamped to w; logn queries",
@@ -269,9 +294,10 @@ def check_names(requested: Sequence[str] | str) -> None:
 
 
 def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMethod | type[PositionMethod],
-                       log: Callable[[str], object] = print) -> list[str]:
+                       log: Callable[[str], object] = print, layout: str = "sequence") -> list[str]:
     """The extensions of ``eval.extension`` to evaluate for ``method`` (a name, a method or its
-    class), always ``none`` first (the plain evaluation every extension is compared with).
+    class) on a model of ``layout``, always ``none`` first (the plain evaluation every extension
+    is compared with).
 
     ``all`` means every extension that applies. A named extension that does not apply is skipped
     with one line; when only such extensions were asked for, the request is refused.
@@ -281,30 +307,40 @@ def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMet
     refused: list[str] = []
     for name in names:
         if name == "all":
-            chosen += [e for e, ext in EXTENSIONS.items() if ext.applies(method)]
+            chosen += [e for e, ext in EXTENSIONS.items() if ext.applies(method, layout)]
         elif name == NONE:
             continue
         elif name not in EXTENSIONS:
             raise PosbenchError(f"unknown eval.extension {name!r}; choose from none, all, {', '.join(EXTENSIONS)}")
-        elif EXTENSIONS[name].applies(method):
+        elif EXTENSIONS[name].applies(method, layout):
             chosen.append(name)
         else:
             refused.append(name)
     for name in refused:
-        line = f"extension {name} does not apply to method={method_type(method).name}; it applies to {applies_text(name)}"
+        line = refusal(name, method, layout)
         if len(chosen) == 1:
             raise PosbenchError(line)
         log(f"skipping {line}")
     return list(dict.fromkeys(chosen))
 
 
-def applies_text(name: str) -> str:
-    """Which methods extension ``name`` applies to, by capability and the registered methods."""
+def applies_text(name: str, layout: str = "sequence") -> str:
+    """Which methods extension ``name`` applies to, by capability and the registered methods of ``layout``."""
     needed = EXTENSIONS[name].applies_to
     if needed is None:
         return "every method"
     kinds = " or ".join(CAPABILITY_NAMES.get(c, c.__name__) for c in needed)
-    return f"{kinds} methods ({', '.join(m for m in list_methods() if EXTENSIONS[name].applies(m))})"
+    methods = [m for m in list_methods(layout) if EXTENSIONS[name].applies(m, layout)]
+    return f"{kinds} methods ({', '.join(methods)})"
+
+
+def refusal(name: str, method: str | PositionMethod | type[PositionMethod], layout: str = "sequence") -> str:
+    """The one line saying why extension ``name`` does not apply to ``method`` on ``layout``."""
+    if layout not in EXTENSIONS[name].layouts:
+        per_axis = ", ".join(e for e, ext in EXTENSIONS.items() if layout in ext.layouts)
+        return (f"extension {name} does not apply to the {layout} layout (it reads sequence distances); "
+                f"on the grid the rotary rules apply per axis: {per_axis}")
+    return f"extension {name} does not apply to method={method_type(method).name}; it applies to {applies_text(name, layout)}"
 
 
 def extension_factor(name: str, length: int, train_context: int, factor: float | None) -> float | None:
@@ -335,13 +371,17 @@ def evaluation_order(extensions: Sequence[str]) -> list[str]:
 
 
 def record_extension(entry: dict[str, Any], name: str, factor: float | None, train_context: int, length: int,
-                     options: Mapping[str, Any] | None = None) -> None:
+                     options: Mapping[str, Any] | None = None, layout: str = "sequence") -> None:
     """Stamp a results entry with the pass it came from: ``extension``, ``extension_factor`` and,
-    for an extension with settings of its own, ``extension_options``."""
+    for an extension with settings of its own, ``extension_options``; on the grid, where a rule
+    applies per axis, ``extension_per_axis``: the sides its factor is the ratio of."""
     entry["extension"], entry["extension_factor"] = name, factor
     used = extension_options(name, train_context, length, options)
     if used is not None:
         entry["extension_options"] = used
+    if layout == "grid" and name != NONE:
+        train_side, side = axis_lengths(layout, train_context, length)
+        entry["extension_per_axis"] = {"train_side": train_side, "side": side}
 
 
 @contextlib.contextmanager
@@ -350,14 +390,16 @@ def extended(model: nn.Module, name: str, train_context: int, length: int, facto
     """Evaluate ``model`` under extension ``name`` inside the block; yields the factor used
     (None for ``none``). ``options``: the settings of the extensions that take some, by name
     (:meth:`posbench.evaluation.settings.EvalConfig.extension_options`). ``model.position`` is restored on
-    exit (the trained method itself is never changed)."""
+    exit (the trained method itself is never changed). On a grid model ``train_context`` and
+    ``length`` count cells and the rule applies per axis, to the sides (:func:`axis_lengths`)."""
     if name == NONE:
         yield None
         return
     original: PositionMethod = model.position  # type: ignore[assignment]
-    ext = EXTENSIONS[name]
-    if not ext.applies(original):
-        raise PosbenchError(f"extension {name} does not apply to method={original.name}; it applies to {applies_text(name)}")
+    ext, layout = EXTENSIONS[name], model_layout(model)
+    if not ext.applies(original, layout):
+        raise PosbenchError(refusal(name, original, layout))
+    train_context, length = axis_lengths(layout, train_context, length)
     used = extension_factor(name, length, train_context, factor)
     wrapped = ext.install(original, Setting(train_context, length, used, options or {}))
     if wrapped is None:  # the identity at this setting: the plain model, bit for bit
@@ -370,6 +412,6 @@ def extended(model: nn.Module, name: str, train_context: int, length: int, facto
         model.position = original
 
 
-__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "RelativeRemap", "applies_text", "evaluation_order",
-           "extended", "extension_factor", "extension_options", "list_extensions", "method_type",
-           "record_extension", "resolve_extensions"]
+__all__ = ["EXTENSIONS", "ExtendedPosition", "NONE", "RelativeRemap", "applies_text", "axis_lengths",
+           "evaluation_order", "extended", "extension_factor", "extension_options", "list_extensions",
+           "method_type", "model_layout", "record_extension", "refusal", "resolve_extensions"]

@@ -149,8 +149,6 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise PosbenchError(f"seed must be an integer, got {seed!r}")
     evaluation.check_lengths(trainer.context, need_headline=True)  # eval.probes: the trainer checks them
-    # Refused (or skipped with a line) now, not after training.
-    evaluation = replace(evaluation, extension=resolve_extensions(evaluation.extension, probe, log=logger.info))
     longest = max(max(evaluation.lengths), trainer.context)
     if probe.max_positions is not None and longest > probe.max_positions:
         raise PosbenchError(
@@ -162,6 +160,9 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
         data.check_path_is_read()
     task, task_options = task_config(cfg.get("task"), trainer, evaluation)
     model = replace(model, layout=check_layout(probe, task))
+    # Refused (or skipped with a line) now, not after training; on the grid only the per-axis rules.
+    evaluation = replace(evaluation, extension=resolve_extensions(evaluation.extension, probe, log=logger.info,
+                                                                  layout=model.layout))
     if task is not None and data.retrieval.active:
         raise PosbenchError(f"data.retrieval writes into text windows, and task={task.name} runs have none; "
                             "drop data.retrieval.rate")
