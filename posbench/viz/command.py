@@ -68,6 +68,7 @@ def viz_sweep(sweep_dir: Path, s: VizSettings, out: Path, device: str, log: Log)
     runs = sorted(runs, key=lambda r: (order[r.method], str(r.path)))
     written: list[Path] = []
     rows = []
+    drawn = 0
     for run in runs:
         try:
             files, record, results = viz_run(run.path, s, out / run.path.name, device, log)
@@ -75,9 +76,14 @@ def viz_sweep(sweep_dir: Path, s: VizSettings, out: Path, device: str, log: Log)
             log(f"skipped {run.path}: {err}")
             continue
         written += files
-        rows.append((run.name, run.method, results, record))
-    if not rows:
+        drawn += 1
+        if record is not None:  # a grid run has no attention by query position to draw there
+            rows.append((run.name, run.method, results, record))
+    if not drawn:
         raise PosbenchError(f"no run under {sweep_dir} could be drawn (see the lines above)")
+    if not rows:
+        log("overview not drawn: it draws loss and attended distance by query position, which grid runs lack")
+        return written
     written += save(overview_figure(rows, f"Sweep {sweep_dir.name}"), out, "overview", s.formats)
     log(f"wrote {written[-1]}")
     return written
