@@ -30,7 +30,7 @@ from torch import Tensor
 
 from posbench.core.errors import PosbenchError
 from posbench.core.io import write_json_atomic
-from posbench.methods import ModelDims, PositionMethod
+from posbench.methods import ModelDims, PositionMethod, grid_side
 from posbench.report.figures import save
 from posbench.viz.attention import held_out_windows, record_attention
 from posbench.viz.grid_figures import grid_distance_figure, grid_maps_figure
@@ -156,7 +156,7 @@ def viz_grid_run(run: Any, s: VizSettings, out: Path, device: str, log: Log, lab
                  signal_label: str) -> list[Path]:
     """A trained grid run: its method's position maps and its attention on held-out grids."""
     model, method = run.model, run.model.position
-    train_side = int(math.isqrt(int(run.config.trainer.context)))
+    train_side = grid_side(int(run.config.trainer.context))
     log(f"{label}: {SKIPPED}")
     written = grid_signal_figures(method.cpu(), model.cfg.dims, train_side, s, out, signal_label, log)
     model.to(device)

@@ -182,6 +182,23 @@ def test_viz_of_a_grid_run(trained_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_viz_of_a_sweep_of_grid_runs_skips_the_overview(trained_run, tmp_path):
+    """The overview draws by query position; a sweep of grid runs draws each run and says why not."""
+    import shutil
+
+    from posbench.viz.command import run_viz
+
+    sweep = tmp_path / "sweep"
+    shutil.copytree(trained_run(*GRID_TRAIN), sweep / "0_life-axial_rope-s0")
+    lines: list[str] = []
+    written = run_viz(compose_config("viz", [f"run={sweep}", f"out={tmp_path / 'viz'}", "span=1",
+                                             "attention.num_sequences=1"]), log=lines.append)
+    assert tmp_path / "viz" / "0_life-axial_rope-s0" / "grid_attention_distance.png" in written
+    assert not (tmp_path / "viz" / "overview.png").exists()
+    assert "overview not drawn: it draws loss and attended distance by query position, which grid runs lack" in lines
+
+
+@pytest.mark.slow
 def test_viz_method_of_a_grid_method_draws_its_maps(tmp_path):
     from posbench.core.errors import PosbenchError
     from posbench.viz.command import run_viz
