@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import QUICK_TRAIN, compose_config
+from helpers import QUICK_TRAIN, QUIET, compose_config
 
 from posbench.methods import ModelDims, PositionMethod, build_method, grid_offset, grid_positions
 from posbench.model.transformer import ModelConfig, build_model
@@ -210,3 +210,31 @@ def test_viz_method_of_a_grid_method_draws_its_maps(tmp_path):
     with pytest.raises(PosbenchError, match="context=60 is not a square grid"):
         run_viz(compose_config("viz", ["method=axial_rope", "model=tiny", "context=60", f"out={tmp_path / 'x'}"]))
     assert not (tmp_path / "x").exists()
+
+
+class LayerScaledRoPE(PositionMethod):
+    """A test method: axial RoPE whose cells are scaled by (layer + 1), so its layers differ."""
+
+    layouts = ("grid",)
+
+    def __init__(self, dims: ModelDims) -> None:
+        super().__init__(dims)
+        self.inner = build_method("axial_rope", dims)
+
+    def rotate_qk(self, q, k, positions, layer=0):
+        return self.inner.rotate_qk(q, k, positions * (layer + 1), layer)
+
+
+@pytest.mark.slow
+def test_maps_are_drawn_per_layer_only_when_layers_differ(tmp_path):
+    from posbench.viz.grid import grid_signal_figures
+    from posbench.viz.settings import VizSettings
+
+    dims = ModelDims(d_model=32, n_heads=2, n_layers=2)
+    settings = VizSettings(span=1).validate()
+    same = grid_signal_figures(build_method("axial_rope", dims), dims, 4, settings, tmp_path / "a", "a", QUIET)
+    assert same == [tmp_path / "a" / "grid_qk_similarity.png"]
+    per_layer = grid_signal_figures(LayerScaledRoPE(dims), dims, 4, settings, tmp_path / "b", "b", QUIET)
+    assert per_layer == [tmp_path / "b" / "grid_qk_similarity_layer0.png", tmp_path / "b" / "grid_qk_similarity_layer1.png"]
+    score = grid_signal_figures(Distance2D(DIMS), DIMS, 4, settings, tmp_path / "c", "c", QUIET)
+    assert score == [tmp_path / "c" / "grid_score_term_layer0.png", tmp_path / "c" / "grid_score_term_layer1.png"]
