@@ -11,7 +11,7 @@ Grids of side s, 2s, ... up to span x s (s: the training side, sqrt of the train
 - ``grid_score_term[_layer<l>]``: the score term with no content (methods with one), per head;
 - runs: ``grid_attention_distance`` (mean attended Euclidean distance in cells, inside vs beyond
   the training square, against the grid side; its numbers in ``grid_attention_distance.json``)
-  and ``grid_attention_layer<l>`` (the attention of the query cells on the largest grid).
+  and ``grid_attention_layer<l>`` (the attention of the query cells on every side).
 
 A map whose layers all agree is drawn once (``all layers``), otherwise one figure per layer of
 ``attention.layers``. The 1D figures (q.k decay and score term against i - j, the T x T maps, the
@@ -161,14 +161,13 @@ def viz_grid_run(run: Any, s: VizSettings, out: Path, device: str, log: Log, lab
     written = grid_signal_figures(method.cpu(), model.cfg.dims, train_side, s, out, signal_label, log)
     model.to(device)
     summary, uniform, attention, where = grid_attention(run, s, train_side, log)
-    largest = max(summary)
     written += save(grid_distance_figure(summary, uniform, train_side, f"{label}: mean attended distance on the grid, per head, "
                                          f"{where.split(' of ')[0]} per side"),
                     out, "grid_attention_distance", s.formats)
     for layer, maps in attention.items():
-        title = f"{label}: attention of the query cell, layer {layer}, first held-out {largest} x {largest} grid"
-        written += save(grid_maps_figure({largest: maps[largest]}, train_side, title, "attention weight (log)",
-                                         log_floor=1e-4), out, f"grid_attention_layer{layer}", s.formats)
+        title = f"{label}: attention of the query cell, layer {layer}, first held-out grid of each side"
+        written += save(grid_maps_figure(maps, train_side, title, "attention weight (log)", log_floor=1e-4),
+                        out, f"grid_attention_layer{layer}", s.formats)
     numbers = {
         "train_side": train_side,
         "sides": sorted(summary),

@@ -15,10 +15,10 @@ from posbench.report.figures import new_figure, palette
 from posbench.viz.grid_measures import BEYOND, INSIDE, query_cells
 
 
-def _training_square(ax: Any, train_side: int) -> None:
+def _training_square(ax: Any, train_side: int, colour: str) -> None:
     from matplotlib.patches import Rectangle
 
-    ax.add_patch(Rectangle((-0.5, -0.5), train_side, train_side, fill=False, edgecolor="black",
+    ax.add_patch(Rectangle((-0.5, -0.5), train_side, train_side, fill=False, edgecolor=colour,
                            linestyle="--", linewidth=1.0))
 
 
@@ -35,7 +35,7 @@ def grid_maps_figure(maps: dict[int, dict[str, np.ndarray]], train_side: int, ti
     if same and panel is not None:  # every head alike (a rotation shared by the heads): one row per cell
         maps = {side: {cell: m[:1] for cell, m in by_cell.items()} for side, by_cell in maps.items()}
     rows = [(cell, p) for cell in maps[sides[0]] for p in range(maps[sides[0]][cell].shape[0])]
-    fig = new_figure(2.6 * len(sides) + 1.2, 2.4 * len(rows) + 0.8)
+    fig = new_figure(max(2.6 * len(sides) + 1.2, 8.0), 2.4 * len(rows) + 0.8)  # wide enough for the title
     axes = fig.subplots(len(rows), len(sides), squeeze=False)
     values = np.concatenate([m.ravel() for by_cell in maps.values() for m in by_cell.values()])
     if log_floor is not None:
@@ -51,7 +51,7 @@ def grid_maps_figure(maps: dict[int, dict[str, np.ndarray]], train_side: int, ti
             shown = maps[side][cell][p]
             image = ax.imshow(np.clip(shown, log_floor, 1.0) if log_floor is not None else shown,
                               interpolation="nearest", **style)
-            _training_square(ax, train_side)
+            _training_square(ax, train_side, "black" if log_floor is None else "white")  # seen on the dark log map
             row, col = query_cells(side)[cell]
             ax.plot(col, row, marker="x", color="lime", markersize=6, markeredgewidth=1.5)
             ax.set_xticks([])
@@ -62,7 +62,7 @@ def grid_maps_figure(maps: dict[int, dict[str, np.ndarray]], train_side: int, ti
                 ax.set_ylabel(cell if panel is None else f"{cell}, all {panel}s" if same else f"{cell}, {panel} {p}",
                               fontsize=8)
     fig.colorbar(image, ax=list(axes.ravel()), label=colour_label, shrink=0.6)
-    fig.suptitle(f"{title}\nx: the query cell; dashed: the {train_side} x {train_side} training square",
+    fig.suptitle(f"{title}\nx: the query cell; dashed square: the {train_side} x {train_side} training square",
                  fontsize=10)
     return fig
 
