@@ -29,6 +29,10 @@ Figures (each only for methods that have the signal):
 Attention weights are recomputed by the model's own eager backend
 (:mod:`posbench.viz.attention`), one window at a time.
 
+A grid method or a grid run (the grid encoder) is drawn on the grid instead: position maps of
+query cells and the attended distance in cells at the training side and beyond
+(:mod:`posbench.viz.grid`); a sweep's overview draws its sequence runs only.
+
 Modules: :mod:`~posbench.viz.settings` (the options), :mod:`~posbench.viz.measures` (the numbers),
 :mod:`~posbench.viz.attention` (recording a run's attention), :mod:`~posbench.viz.figures` (the
 figures), :mod:`~posbench.viz.draw` (what a method or a run shows) and this command (sweeps, W&B).
