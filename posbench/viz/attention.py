@@ -25,6 +25,7 @@ from posbench.data.loader import eval_sequences
 from posbench.methods.base import Normalizer, ScoreFn, ValueTerm
 from posbench.model.attention import attention_hook, eager_output, eager_probabilities
 from posbench.runs.load import run_data
+from posbench.viz.grid_measures import grid_attended_distance
 from posbench.viz.measures import attention_entropy, mean_attended_distance, score_curves
 from posbench.viz.settings import AttentionSettings
 
@@ -36,7 +37,7 @@ class LayerStats:
     """What one layer's attention did over the recorded windows (numpy, ready to draw)."""
 
     entropy: np.ndarray  # (H, T) mean over windows
-    distance: np.ndarray  # (H, T) mean attended distance, mean over windows
+    distance: np.ndarray  # (H, T) mean attended distance (tokens; grid: cells), mean over windows
     score: np.ndarray | None  # (H, T) score term by distance, mean over queries and windows
     maps: np.ndarray | None  # (H, T, T) attention of the first window, for layers drawn
 
@@ -46,15 +47,20 @@ class AttentionRecord:
     layers: list[LayerStats] = field(default_factory=list)
 
 
-def layer_stats(probs: Tensor, score: ScoreFn | None, keep_maps: bool) -> LayerStats:
-    """One layer's attention probabilities (B, H, T, T) -> its statistics, mean over the B windows."""
+def layer_stats(probs: Tensor, score: ScoreFn | None, keep_maps: bool, causal: bool = True) -> LayerStats:
+    """One layer's attention probabilities (B, H, T, T) -> its statistics, mean over the B windows.
+
+    Bidirectional attention (``causal=False``: the grid encoder, cells in row-major order): the
+    distance is Euclidean in cells (:func:`posbench.viz.grid_measures.grid_attended_distance`)
+    and no score curve by 1D distance is kept."""
     B, H, T, _ = probs.shape
     score_curve = None
-    if score is not None:  # (H, T) per window, one (T, T) term grid at a time
+    if score is not None and causal:  # (H, T) per window, one (T, T) term grid at a time
         score_curve = torch.stack([score_curves(score, range(H), T, probs.device, batch=b) for b in range(B)]).mean(0)
+    distance = mean_attended_distance(probs) if causal else grid_attended_distance(probs)  # (B, H, T)
     return LayerStats(
         entropy=attention_entropy(probs).mean(0).cpu().numpy(),  # (H, T)
-        distance=mean_attended_distance(probs).mean(0).cpu().numpy(),  # (H, T)
+        distance=distance.mean(0).cpu().numpy(),  # (H, T)
         score=None if score_curve is None else score_curve.cpu().numpy(),
         maps=probs[0].cpu().numpy() if keep_maps else None,  # (H, T, T)
     )
@@ -75,7 +81,7 @@ def recording_attention(n_layers: int, map_layers: Sequence[int]) -> Iterator[At
         if layer >= n_layers:
             raise RuntimeError("recording_attention records one forward pass only")
         probs = eager_probabilities(q, k, score, window, normalize, causal=causal)  # (B, H, T, T)
-        record.layers.append(layer_stats(probs, score, keep_maps=layer in map_layers))
+        record.layers.append(layer_stats(probs, score, keep_maps=layer in map_layers, causal=causal))
         return eager_output(probs, v, value)
 
     with attention_hook(attend):

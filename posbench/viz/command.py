@@ -29,6 +29,10 @@ Figures (each only for methods that have the signal):
 Attention weights are recomputed by the model's own eager backend
 (:mod:`posbench.viz.attention`), one window at a time.
 
+A grid method or a grid run (the grid encoder) is drawn on the grid instead: position maps of
+query cells and the attended distance in cells at the training side and beyond
+(:mod:`posbench.viz.grid`); a sweep's overview draws its sequence runs only.
+
 Modules: :mod:`~posbench.viz.settings` (the options), :mod:`~posbench.viz.measures` (the numbers),
 :mod:`~posbench.viz.attention` (recording a run's attention), :mod:`~posbench.viz.figures` (the
 figures), :mod:`~posbench.viz.draw` (what a method or a run shows) and this command (sweeps, W&B).
@@ -68,6 +72,7 @@ def viz_sweep(sweep_dir: Path, s: VizSettings, out: Path, device: str, log: Log)
     runs = sorted(runs, key=lambda r: (order[r.method], str(r.path)))
     written: list[Path] = []
     rows = []
+    drawn = 0
     for run in runs:
         try:
             files, record, results = viz_run(run.path, s, out / run.path.name, device, log)
@@ -75,9 +80,14 @@ def viz_sweep(sweep_dir: Path, s: VizSettings, out: Path, device: str, log: Log)
             log(f"skipped {run.path}: {err}")
             continue
         written += files
-        rows.append((run.name, run.method, results, record))
-    if not rows:
+        drawn += 1
+        if record is not None:  # a grid run has no attention by query position to draw there
+            rows.append((run.name, run.method, results, record))
+    if not drawn:
         raise PosbenchError(f"no run under {sweep_dir} could be drawn (see the lines above)")
+    if not rows:
+        log("overview not drawn: it draws loss and attended distance by query position, which grid runs lack")
+        return written
     written += save(overview_figure(rows, f"Sweep {sweep_dir.name}"), out, "overview", s.formats)
     log(f"wrote {written[-1]}")
     return written

@@ -21,6 +21,7 @@ from posbench.methods import InputTable, ModelDims, PositionMethod, Rotary, buil
 from posbench.report.figures import save
 from posbench.runs.load import load_run
 from posbench.runs.spec import MethodSpec, model_config
+from posbench.tasks.grid import square_side
 from posbench.viz.attention import AttentionRecord, held_out_windows, record_attention
 from posbench.viz.figures import (
     attention_maps_figure,
@@ -30,6 +31,7 @@ from posbench.viz.figures import (
     qk_decay_figure,
     score_terms_figure,
 )
+from posbench.viz.grid import grid_signal_figures, viz_grid_run
 from posbench.viz.measures import (
     cosine_similarity_matrix,
     decay_rule_method,
@@ -129,7 +131,12 @@ def viz_method(cfg: DictConfig, s: VizSettings, log: Log) -> list[Path]:
     method = spec.build(dims)
     out = Path(cfg.out or Path("viz") / name)
     state = "at its initialisation" if any(True for _ in method.parameters()) else "fixed"
-    written = signal_figures(method, dims, name, options, s, out, f"{name} ({state}, model={model.flavour})", log)
+    label = f"{name} ({state}, model={model.flavour})"
+    if "sequence" not in method.layouts:  # a grid method: its maps on the grid of `context` cells
+        train_side = square_side(s.context, "context")
+        written = grid_signal_figures(method, dims, train_side, s, out, label, log)
+    else:
+        written = signal_figures(method, dims, name, options, s, out, label, log)
     if not written and not method.has_score_term:
         log(f"{name} has no position signal of its own to draw; pass run=<a trained {name} run> for its attention")
     for path in written:
@@ -138,8 +145,9 @@ def viz_method(cfg: DictConfig, s: VizSettings, log: Log) -> list[Path]:
 
 
 def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
-            ) -> tuple[list[Path], AttentionRecord, dict[str, Any]]:
-    """A trained run's signals and its attention on held-out text at length_factor x C."""
+            ) -> tuple[list[Path], AttentionRecord | None, dict[str, Any]]:
+    """A trained run's signals and its attention on held-out text at length_factor x C; a grid
+    run's are drawn on the grid (:mod:`posbench.viz.grid`; no record for the sweep overview)."""
     run = load_run(run_dir, device=device, log=log)
     model, method = run.model, run.model.position
     context = int(run.config.trainer.context)
@@ -149,6 +157,12 @@ def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
     options = MethodSpec.from_saved(run.config.method).in_context(context).options
     suffix = "" if run_dir.name.startswith(name) else f" ({run_dir.name})"
     label = f"{name}, step {run.step}{suffix}"
+    if model.cfg.layout == "grid":  # the grid encoder: maps on the grid, attention distance in cells
+        fixed = not any(True for _ in method.parameters())
+        written = viz_grid_run(run, s, out, device, log, label, f"{name}{suffix} (fixed)" if fixed else label)
+        for path in written:
+            log(f"wrote {path}")
+        return written, None, run.results or {}
     # Content-free score terms are drawn from the method at span x C; run-dependent ones come
     # from the recorded attention below.
     written = signal_figures(method.cpu(), dims, name, options, s, out, label, log=lambda _: None,
