@@ -14,11 +14,11 @@ from posbench.model.transformer import ModelConfig, build_model
 GRID = ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=2, layout="grid")
 
 
-def grid_model(name: str, attention: str = "eager", options: dict | None = None, side: int = 5):
+def grid_model(name: str, attention: str = "eager", options: dict | None = None, side: int = 5, heads: int = 2):
     """A 2-layer grid model of method ``name`` (seed 0), its method parameters drawn N(0, 1) so
     the score term is far from zero, and a batch of two ``side x side`` grids of tokens."""
     torch.manual_seed(0)
-    model = build_model(dataclasses.replace(GRID, attention=attention), name, options)
+    model = build_model(dataclasses.replace(GRID, attention=attention, n_heads=heads), name, options)
     with torch.no_grad():
         for p in model.position.parameters():
             p.normal_()
@@ -26,12 +26,12 @@ def grid_model(name: str, attention: str = "eager", options: dict | None = None,
     return model, tokens
 
 
-def assert_backends_agree(name: str, options: dict | None = None, side: int = 5) -> None:
+def assert_backends_agree(name: str, options: dict | None = None, side: int = 5, heads: int = 2) -> None:
     """eager, sdpa and flex compute the same logits (forward only: FlexAttention has no CPU
     backward), with the grid's own cells and with per-row cells (B, T, 2)."""
     out = {}
     for backend in ("eager", "sdpa", "flex"):
-        model, tokens = grid_model(name, backend, options, side)
+        model, tokens = grid_model(name, backend, options, side, heads)
         cells = grid_positions(side, side)
         per_row = torch.stack((cells, cells.flip(-1) * 2))  # (2, T, 2): the second grid transposed, spread out
         with torch.no_grad():
@@ -62,16 +62,16 @@ def dense_term(method, q: torch.Tensor, cells: torch.Tensor, layer: int = 0) -> 
     return fn(b, h, q_idx, kv_idx).expand(q.shape[0], q.shape[1], q_idx.shape[2], kv_idx.shape[3])
 
 
-def assert_scores_depend_only_on_offsets(name: str, options: dict | None = None) -> None:
+def assert_scores_depend_only_on_offsets(name: str, options: dict | None = None, heads: int = 2) -> None:
     """Shifting every cell by the same (dy, dx) leaves the score term unchanged (far past the
     training grid too); spreading the cells apart, which changes the offsets, changes it."""
     torch.manual_seed(0)
-    method = build_method(name, ModelDims(d_model=32, n_heads=2, n_layers=2), **(options or {}))
+    method = build_method(name, ModelDims(d_model=32, n_heads=heads, n_layers=2), **(options or {}))
     with torch.no_grad():
         for p in method.parameters():
             p.normal_()
     cells = grid_positions(6, 6)  # (36, 2)
-    q = torch.randn(2, 2, 36, 16)
+    q = torch.randn(2, heads, 36, 32 // heads)
     with torch.no_grad():
         base = dense_term(method, q, cells, layer=1)
         for shift in ((1, 0), (0, 3), (40, 17)):
