@@ -116,3 +116,26 @@ def test_relative_2d_refuses_a_negative_max_offset():
     with pytest.raises(PosbenchError, match="relative_2d needs max_offset >= 0"):
         build_model(ModelConfig(vocab_size=11, d_model=32, n_layers=2, n_heads=2, layout="grid"), "relative_2d",
                     {"max_offset": -1})
+
+
+def test_relative_2d_fast_path_equals_the_gather():
+    """fast: the one-hot matmul gives the default's term (shared and per-row cells, clipped) and
+    the same gradients for q and both tables, to fp32 rounding."""
+    cells = grid_positions(5, 5)
+    for c in (cells, torch.stack((cells, cells.flip(-1) * 2))):
+        terms, grads = [], []
+        for fast in (False, True):
+            torch.manual_seed(0)
+            m = build_method("relative_2d", ModelDims(d_model=32, n_heads=2, n_layers=2), max_offset=2, fast=fast)
+            q = torch.randn(2, 2, 25, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+            term = dense_term(m, q, c, layer=1)
+            term.pow(2).sum().backward()
+            terms.append(term.detach())
+            grads.append((q.grad, m.row_tables[1].grad, m.col_tables[1].grad))
+        torch.testing.assert_close(terms[1], terms[0], atol=1e-6, rtol=1e-6)
+        for fast_grad, grad in zip(grads[1], grads[0]):
+            torch.testing.assert_close(fast_grad, grad, atol=1e-5, rtol=1e-5)
+
+
+def test_relative_2d_fast_path_runs_alike_in_eager_sdpa_and_flex():
+    assert_backends_agree("relative_2d", {"max_offset": 2, "fast": True})
