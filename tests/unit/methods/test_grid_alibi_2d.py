@@ -9,22 +9,17 @@ import math
 import pytest
 import torch
 from grid_score_checks import assert_backends_agree, assert_scores_depend_only_on_offsets, dense_term
+from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
 from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, grid_positions
 from posbench.model.transformer import ModelConfig, build_model
 
 
-def press_slopes(n: int) -> list[float]:
-    """ALiBi's slopes as Press et al.'s code (and CROMA's copy of it) computes them."""
-    def power_of_2(n):
-        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
-        return [start * start**i for i in range(n)]
-
-    if math.log2(n).is_integer():
-        return power_of_2(n)
-    closest = 2 ** math.floor(math.log2(n))
-    return power_of_2(closest) + press_slopes(2 * closest)[0::2][: n - closest]
+def press_slopes(n: int) -> torch.Tensor:
+    """ALiBi's slopes (Press et al.'s code, which CROMA copies), read off transformers' BLOOM
+    ALiBi tensor: the bias of a key 1 position away is its head's slope -> (n,)."""
+    return build_alibi_tensor(torch.ones(1, 2), n, torch.float64)[:, 0, 1]
 
 
 def croma_2dalibi(num_heads: int, side: int) -> torch.Tensor:
@@ -32,7 +27,7 @@ def croma_2dalibi(num_heads: int, side: int) -> torch.Tensor:
     patches of a side x side grid (itertools.product order = row-major), minus the slope times
     their Euclidean distance -> (1, H, T, T)."""
     points = list(itertools.product(range(side), range(side)))
-    slopes = torch.tensor(press_slopes(num_heads))
+    slopes = press_slopes(num_heads).float()
     dists = torch.tensor([math.sqrt((p[0] - r[0]) ** 2 + (p[1] - r[1]) ** 2) for p in points for r in points])
     return (-slopes[:, None] * dists[None]).view(1, num_heads, side * side, side * side)
 
@@ -54,7 +49,7 @@ def test_alibi_2d_matches_the_formula_pair_by_pair(distance):
     for b, h, i, j in itertools.product(range(2), range(4), range(12), range(12)):
         dy, dx = (cells[b, i] - cells[b, j]).tolist()
         dist = math.hypot(dy, dx) if distance == "euclidean" else abs(dy) + abs(dx)
-        want[b, h, i, j] = -slopes[h] * dist
+        want[b, h, i, j] = -slopes[h].item() * dist
     torch.testing.assert_close(dense_term(method, torch.randn(2, 4, 12, 8), cells), want)
 
 
