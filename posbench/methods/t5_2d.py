@@ -22,6 +22,8 @@ more untrained on an 8 x 8 grid.
 
 As the 1D ``t5``: one table shared by all layers (as T5), ``bias_scale`` defaulting to sqrt(D)
 (x-transformers' scaling of the bias onto the logits q.k / sqrt(D)), table init N(0, init_std).
+Checked in eager, sdpa and flex on the CPU only: compiled FlexAttention on a GPU is untested here
+(the 1D t5's table gather did not compile at head dim 64 on an H100, see its backend_limits).
 """
 
 import torch
