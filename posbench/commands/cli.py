@@ -225,14 +225,17 @@ def run_script(name: str, main: Callable[[list[str]], int | None], argv: list[st
 
 
 def _register_launcher() -> None:
-    """Make posbench's joblib launcher known to Hydra. Hydra finds plugins by walking the
-    ``hydra_plugins`` folders on disk, which misses it in an editable install; registering the
-    class by hand works for every kind of install."""
+    """Make posbench's joblib launcher and sweeper known to Hydra. Hydra finds plugins by walking
+    the ``hydra_plugins`` folders on disk, which misses them in an editable install; registering
+    the classes by hand works for every kind of install."""
     from hydra.core.plugins import Plugins
 
+    plugins = Plugins.instance()  # first: its scan re-executes Hydra's core plugin modules (BasicSweeper)
     from hydra_plugins.posbench_launcher.isolated_joblib_launcher import IsolatedJoblibLauncher
+    from hydra_plugins.posbench_launcher.layout_sweeper import LayoutSweeper
 
-    Plugins.instance().register(IsolatedJoblibLauncher)
+    plugins.register(IsolatedJoblibLauncher)
+    plugins.register(LayoutSweeper)
 
 
 def main(argv: list[str] | None = None) -> None:

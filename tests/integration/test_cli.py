@@ -245,7 +245,7 @@ def test_packaged_sample_train_and_eval(tmp_path):
 
 @pytest.mark.parametrize(
     "line, expected",
-    [("posbench tr", "train"), ("posbench train method=r", "method=relative method=rope"),
+    [("posbench tr", "train"), ("posbench train method=r", "method=relative method=relative_2d method=rope"),
      ("posbench eval eval.spl", "eval.split=")],
 )
 def test_shell_completion_routes_to_the_subcommand(line, expected):

@@ -20,6 +20,7 @@ def test_every_yaml_file_is_covered_by_these_tests():
     covered = {f"{name}.yaml" for name in PRIMARY}
     covered |= {f"{g}/{n}.yaml" for g in TRAIN_GROUPS for n in config_names(g)}
     covered |= {f"hydra/launcher/{n}.yaml" for n in config_names("hydra/launcher")}
+    covered |= {f"hydra/sweeper/{n}.yaml" for n in config_names("hydra/sweeper")}  # tests/integration/test_layout_sweeper.py
     assert shipped == covered
 
 
