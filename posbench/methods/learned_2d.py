@@ -4,10 +4,11 @@ The table holds one d_model vector per cell (row, col) and is trained on the tra
 side = isqrt(``train_context``) (a run fills ``train_context`` with ``trainer.context``). At a grid
 of another side the method does one of two things (``interpolate``):
 
-* ``true`` (ViT / DeiT fine-tuned at a new resolution, timm's ``resample_abs_pos_embed``): the
-  trained (side, side, d_model) block is resized bicubically to the new (s, s) grid,
+* ``true`` (ViT / DeiT fine-tuned at a new resolution; DeiT's and MAE's ``interpolate_pos_embed``):
+  the trained (side, side, d_model) block is resized bicubically to the new (s, s) grid,
   ``F.interpolate(mode="bicubic", align_corners=False)``, then read by cell. The new grid is the
-  square of the T cells evaluated, s = isqrt(T) (the model's default grid).
+  square of the T cells evaluated, s = isqrt(T) (the model's default grid). (timm's newer
+  ``resample_abs_pos_embed`` defaults to ``antialias=True``, another bicubic kernel, not this one.)
 * ``false`` (the un-interpolated control): the cell's own row of the table, as the 1D ``learned``
   reads rows past C. Cells outside the training square got no gradient in training: they keep
   their random initialisation. A cell at row or column >= ``max_side`` is an error naming
