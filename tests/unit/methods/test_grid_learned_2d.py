@@ -162,3 +162,34 @@ def test_a_run_fills_train_context_and_refuses_a_grid_past_max_side_before_train
         build_spec(compose_config("train", overrides))
     build_spec(compose_config("train", [*overrides, "method.max_side=64"]))
     build_spec(compose_config("train", overrides[:2] + overrides[3:]))  # interpolated: any side
+
+
+def test_in_training_validation_past_c_is_left_out_where_the_table_stops():
+    """The task runs' validation on 2x the side (256 cells for life) read cells past a
+    max_side of 12 and failed at the first validation, after training had started; it is now
+    left out with a note naming the fix, as the text runs' C-2C set is."""
+    from types import SimpleNamespace
+
+    from posbench.tasks import make_task
+    from posbench.train.task_workload import TaskWorkload
+
+    workload = TaskWorkload(make_task({"name": "life"}, 64), {"name": "life"})
+    t = SimpleNamespace(context=64, val_sequences=4, val_extrapolation_sequences=2)
+    for max_side, expected in ((12, ["val"]), (16, ["val", "val_64_256"])):
+        model = build_model(GRID, "learned_2d", {"train_context": 64, "interpolate": False, "max_side": max_side})
+        notes: list[str] = []
+        sets = workload.validation_sets(model, t, notes.append)
+        assert list(sets) == expected
+        assert notes == ([] if max_side == 16 else [
+            "note: no val_accuracy_64_256 during training: the method's positions stop at 144 "
+            "(raise method.max_side to at least 16)"])
+        workload.validation_row(model, sets, 64, 4, torch.device("cpu"), None)  # every set it keeps is readable
+
+
+def test_a_sequence_table_still_names_max_positions():
+    from helpers import compose_config
+
+    from posbench.runs.spec import build_spec
+
+    with pytest.raises(PosbenchError, match=r"needs 1024; raise method.max_positions to at least 1024$"):
+        build_spec(compose_config("train", ["method=learned", "method.max_positions=512", "eval.lengths=[256,512,1024]"]))
