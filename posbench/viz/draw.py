@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from posbench.core.errors import PosbenchError
-from posbench.methods import InputTable, ModelDims, PositionMethod, Rotary, build_method
+from posbench.methods import InputTable, ModelDims, PositionMethod, Rotary, build_method, method_class
 from posbench.report.figures import save
 from posbench.runs.load import load_run
 from posbench.runs.spec import MethodSpec, model_config
@@ -119,9 +119,17 @@ def decay_curves(method: PositionMethod, dims: ModelDims, method_name: str, opti
     return curves
 
 
+def check_sequence_method(name: str) -> None:
+    """One line for a grid method: every picture here reads sequence positions (T,), not cells."""
+    if "sequence" not in method_class(name).layouts:
+        raise PosbenchError(f"posbench viz draws sequence positions, and method={name} is a grid method "
+                            "(docs/grid.md): it has no pictures here")
+
+
 def viz_method(cfg: DictConfig, s: VizSettings, log: Log) -> list[Path]:
     """``posbench viz method=<name>``: the method's signals, untrained."""
     spec = MethodSpec.from_config(cfg.method).in_context(s.context)
+    check_sequence_method(spec.name)
     name, options = spec.name, spec.options
     model = model_config(cfg.model)
     dims = model.dims
@@ -142,6 +150,7 @@ def viz_run(run_dir: Path, s: VizSettings, out: Path, device: str, log: Log,
     """A trained run's signals and its attention on held-out text at length_factor x C."""
     run = load_run(run_dir, device=device, log=log)
     model, method = run.model, run.model.position
+    check_sequence_method(method.name)
     context = int(run.config.trainer.context)
     s = s.in_context(context)
     name = method.name

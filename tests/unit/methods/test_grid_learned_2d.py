@@ -193,3 +193,16 @@ def test_a_sequence_table_still_names_max_positions():
 
     with pytest.raises(PosbenchError, match=r"needs 1024; raise method.max_positions to at least 1024$"):
         build_spec(compose_config("train", ["method=learned", "method.max_positions=512", "eval.lengths=[256,512,1024]"]))
+
+
+@pytest.mark.parametrize("name", ["learned_2d", "sincos_2d", "axial_rope"])
+def test_viz_refuses_a_grid_method_in_one_line(name, tmp_path):
+    """viz reads sequence positions (T,): learned_2d failed with an IndexError, and axial_rope
+    drew its q-k decay from cells it misread; a grid method is now refused and nothing is written."""
+    from helpers import compose_config
+
+    from posbench.viz.command import run_viz
+
+    with pytest.raises(PosbenchError, match=f"method={name} is a grid method"):
+        run_viz(compose_config("viz", [f"method={name}", "model=tiny", f"out={tmp_path / 'out'}"]), log=lambda _: None)
+    assert not (tmp_path / "out").exists()
