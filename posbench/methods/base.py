@@ -193,6 +193,11 @@ class PositionMethod(nn.Module):
         """Largest supported position + 1, or None when any length works."""
         return None
 
+    def length_fix(self, length: int) -> str:
+        """The option change that lets this method run ``length`` tokens past :attr:`max_positions`
+        (one clause of the error that refuses them)."""
+        return f"raise method.max_positions to at least {length}"
+
     def backend_limits(self) -> dict[str, str]:
         """Attention backends this method (with its options) cannot run in -> one-line reason."""
         return {}
@@ -274,6 +279,9 @@ class OverBase(PositionMethod):
     @property
     def max_positions(self) -> int | None:
         return self.inner.max_positions
+
+    def length_fix(self, length: int) -> str:
+        return self.inner.length_fix(length)
 
     def input_embedding(self, positions: Tensor) -> Tensor | None:
         return self.inner.input_embedding(positions)

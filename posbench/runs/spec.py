@@ -153,7 +153,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     if probe.max_positions is not None and longest > probe.max_positions:
         raise PosbenchError(
             f"method={method.name} supports positions up to {probe.max_positions} but eval/training "
-            f"needs {longest}; raise method.max_positions to at least {longest}"
+            f"needs {longest}; {probe.length_fix(longest)}"
         )
     data = data_config(cfg.data)
     if not saved:

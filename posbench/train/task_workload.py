@@ -50,7 +50,15 @@ class TaskWorkload:
         return loss * (accum * answer_share(part, whole)) if accum > 1 else loss
 
     def validation_sets(self, model: nn.Module, t: Any, log: Callable[[str], None]) -> dict[str, Any]:
-        return validation_batches(self.task, t.context, t.val_sequences, t.val_extrapolation_sequences)
+        """As the text runs': the set past C is left out (with a note) where the method's
+        positions stop before its length, instead of failing at the first validation."""
+        extrapolation = t.val_extrapolation_sequences
+        length, limit = self.task.extrapolation_length(), model.position.max_positions
+        if extrapolation and limit is not None and length > limit:
+            log(f"note: no val_accuracy_{t.context}_{length} during training: the method's positions stop at "
+                f"{limit} ({model.position.length_fix(length)})")
+            extrapolation = 0
+        return validation_batches(self.task, t.context, t.val_sequences, extrapolation)
 
     def validation_row(self, model: nn.Module, sets: dict[str, Any], context: int, batch_size: int,
                        device: torch.device, amp_dtype: torch.dtype | None) -> dict[str, float]:
