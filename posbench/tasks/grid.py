@@ -79,6 +79,12 @@ class GridTask(Task):
             edges.append(side)
         return list(itertools.pairwise(edges))
 
+    def position_bands(self, length: int) -> dict[str, np.ndarray]:
+        """``by_position`` by ring, not by the flattened index: ``"a-b"`` = the cells with
+        a <= max(row, col) < b, over :meth:`axis_bands` (0-s, s-2s, 2s-4s, ...)."""
+        rings = self.rings(length)
+        return {f"{a}-{b}": (rings >= a) & (rings < b) for a, b in self.axis_bands("ring", length)}
+
     @staticmethod
     def batch(inputs: np.ndarray, labels: np.ndarray, answers: np.ndarray) -> Batch:
         """(N, L) cell inputs, labels and answer mask -> a :class:`Batch` (the inputs plus one
