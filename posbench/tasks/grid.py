@@ -41,8 +41,8 @@ class GridTask(Task):
     layout = "grid"
     MIN_SIDE = 2
 
-    def __init__(self, context: int, **options) -> None:
-        super().__init__(context, **options)
+    def __init__(self, context: int, *, seed: int = 0, tests=None, learnt_at_c=None) -> None:
+        super().__init__(context, seed=seed, tests=tests, learnt_at_c=learnt_at_c)
         self.side = square_side(context, "trainer.context")
 
     def check_length(self, length: int) -> None:
