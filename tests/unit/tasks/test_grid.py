@@ -211,3 +211,45 @@ def test_cli_trains_grid_tasks_and_plots_them_by_grid_side(tmp_path):
     assert (out / "tasks_lookup.png").stat().st_size > 0 and (out / "tasks_same_line.png").stat().st_size > 0
     rows = (out / "tasks.csv").read_text().splitlines()
     assert any(r.startswith("lookup,") and ",64,4-8," in r for r in rows)
+
+
+def fake_run(tmp_path, method: str, seed: int, name: str = "same_line"):
+    """A grid task run's record: entries of random right answers on the real test grids."""
+    from posbench.runs.results import RunRecord
+
+    t = grid_task(name)
+    entries = []
+    for length in (64, 256, 1024):
+        batch = t.sequences(TEST, length, 30)
+        correct = np.random.default_rng([seed, length]).random(batch.answers.shape) < (0.99 if length == 64 else 0.5)
+        entries.append({**task_entry(t, batch, correct, np.zeros(batch.answers.shape), length=length, train_context=C),
+                        "extension": "none"})
+    return RunRecord(tmp_path / f"{method}-s{seed}", {
+        "method": method, "seed": seed, "train_context": C, "eval": [], "train": {"steps": 600},
+        "task": {"name": name, "options": {"seed": 0}, "metrics": ["accuracy"], "chance": t.chance(),
+                 "entries": entries, "learnt_at_c": {"learnt": True, "value": 1.0, "threshold": 0.95}}})
+
+
+def test_grid_comparisons_are_drawn_against_grid_side(tmp_path):
+    from posbench.report.tasks import tables_markdown, task_figure, task_tables
+
+    runs = [fake_run(tmp_path, method, seed) for method in ("nope", "axial_rope") for seed in (0, 1)]
+    (table,) = task_tables(runs)
+    assert table.grid and list(table.groups) == ["nope", "axial_rope"]
+    text = tables_markdown([table])
+    assert "| method | seeds | 8x8 | 16x16 | 32x32 | interval | not learnt at C |" in text
+    assert "| nope | 2 |" in text and "t over 2 seeds" in text
+    assert "| *baseline: majority* |" in text and "**accuracy by ring = max(row, col) at 32x32**" in text
+    ax = task_figure(table).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8x8", "16x16", "32x32"]
+    assert list(ax.get_xticks()) == [8, 16, 32] and ax.get_xlabel().startswith("test grid side")
+    assert {line.get_label() for line in ax.get_lines()} >= {"chance", "best shortcut"}
+    sequence = task_tables([as_sequence_task(run) for run in runs[:1]])[0]
+    assert not sequence.grid and sequence.length_name(128) == "L=128 (2C)"
+
+
+def as_sequence_task(run):
+    """The same record named as a sequence task (copy): lengths stay lengths."""
+    from posbench.runs.results import RunRecord
+
+    return RunRecord(run.path, {**run.results, "task": {**run.results["task"], "name": "copy"}})
