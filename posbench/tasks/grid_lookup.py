@@ -61,10 +61,10 @@ class Lookup(GridTask):
         answers[rows, query] = True
         return self.batch(inputs, labels, answers)
 
-    def query_cells(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-        """(N,) the query cell and its offset's index, read back from the inputs."""
-        query = batch.answers.argmax(axis=1)
-        return query, batch.inputs[np.arange(len(query)), query] - self.num_symbols
+    @staticmethod
+    def query_cells(batch: Batch) -> np.ndarray:
+        """(N,) each grid's query cell (its one answer)."""
+        return batch.answers.argmax(axis=1)
 
     def baselines(self, batch: Batch) -> dict[str, np.ndarray]:
         """``most_frequent``: the grid's most frequent symbol (the lowest on a tie); ``one_offset``:
@@ -73,7 +73,7 @@ class Lookup(GridTask):
         inputs, labels, answers = batch.inputs, batch.labels, batch.answers
         n, length = inputs.shape
         side, rows = square_side(length, "length"), np.arange(n)
-        query, _ = self.query_cells(batch)
+        query = self.query_cells(batch)
         answer = labels[rows, query]  # (N,)
         counts = np.stack([(inputs == s).sum(axis=1) for s in range(self.num_symbols)], axis=1)  # (N, S)
         frequent = (counts.argmax(axis=1) == answer).astype(np.float64)
