@@ -6,9 +6,12 @@ every cell sees every cell, and a cell's position is its (row, col). Answers are
 (``Batch.labels``), never the next input. Trained at one side (``trainer.context`` = side**2,
 e.g. 64 for 8 x 8) and tested at 2x and 4x per side (``eval.lengths: [64, 256, 1024]``).
 
-Accuracy is also reported by ``ring`` = max(row, col), the square the cell lies in: ring < side
-is inside the training grid's square (the top-left corner of a larger grid), ring >= side is a
-cell at a row or column never seen in training.
+Accuracy is reported by ``ring`` = max(row, col), the square the cell lies in (``by_position``
+and ``by_ring``): ring < side is inside the training grid's square (the top-left corner of a
+larger grid), ring >= side is a cell at a row or column never seen in training.
+
+This module holds the shared :class:`GridTask` and ``life``; ``lookup`` and ``same_line`` are in
+:mod:`posbench.tasks.grid_lookup` and :mod:`posbench.tasks.grid_same_line`.
 """
 
 from __future__ import annotations
