@@ -94,6 +94,20 @@ def answer_details(task: Task, batch: Batch, correct: np.ndarray, length: int, t
     return details
 
 
+def position_bands(task: Task, answers: np.ndarray, train_context: int) -> dict[str, np.ndarray]:
+    """``(N, L)`` answers of each ``by_position`` band: the task's own bands (a grid task: rings
+    0-s, s-2s, ...), else by target position 0-C, C-2C, 2C-4C, ... fully inside the length."""
+    length = answers.shape[1]
+    bands = task.position_bands(length)
+    if bands is not None:
+        return {band: answers & cells[None, :] for band, cells in bands.items()}
+    inside = {}
+    for a, b in band_edges(length, train_context):
+        inside[f"{a}-{b}"] = np.zeros_like(answers)
+        inside[f"{a}-{b}"][:, a:b] = answers[:, a:b]
+    return inside
+
+
 def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, *, length: int,
                train_context: int, test: str = STANDARD) -> dict[str, Any]:
     """One results.json ``task.entries`` item (docs/tasks.md, "Results")."""
@@ -109,11 +123,9 @@ def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, 
         "sequence_rows": rows.tolist(),
         "by_position": {},
     }
-    for a, b in band_edges(length, train_context):  # answers by target position: 0-C, C-2C, 2C-4C, ...
-        inside = np.zeros_like(answers)
-        inside[:, a:b] = answers[:, a:b]
+    for band, inside in position_bands(task, answers, train_context).items():
         values, _ = sequence_accuracy(correct, inside)
-        entry["by_position"][f"{a}-{b}"] = {**summary(values), "answers": int(inside.sum())}
+        entry["by_position"][band] = {**summary(values), "answers": int(inside.sum())}
     if "exact_match" in task.metrics:
         exact = (correct | ~answers)[rows].all(axis=1).astype(np.float64)  # every answer of the row right
         entry["exact_match"] = summary(exact)
@@ -224,5 +236,5 @@ def task_summary(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-__all__ = ["answer_details", "answer_scores", "axis_summary", "evaluate_task", "learnt_at_c", "sequence_accuracy",
+__all__ = ["answer_details", "answer_scores", "axis_summary", "evaluate_task", "learnt_at_c", "position_bands", "sequence_accuracy",
            "task_entry", "task_results", "task_summary", "validation_batches", "validation_metrics"]

@@ -35,7 +35,7 @@ from posbench.model.extension import NONE
 from posbench.report.compare import group_runs
 from posbench.report.figures import line_styles, new_figure, save
 from posbench.runs.results import RunRecord
-from posbench.tasks.base import STANDARD
+from posbench.tasks.base import STANDARD, task_class
 
 
 def is_task_run(run: RunRecord) -> bool:
@@ -112,6 +112,20 @@ class TaskTable:
     chance: float
     context: int
     tests: list[str] = field(default_factory=lambda: [STANDARD])
+    grid: bool = False
+    """A grid task (``layout`` grid): lengths are square grids, shown by side ("8x8"), and
+    ``by_position`` holds rings = max(row, col)."""
+
+    def length_name(self, length: int) -> str:
+        """``L=256 (1C)`` (``L=100``), or a grid's ``16x16``."""
+        if self.grid:
+            side = math.isqrt(length)
+            return f"{side}x{side}"
+        return f"L={length} ({length // self.context}C)" if length % self.context == 0 else f"L={length}"
+
+    def x(self, length: int) -> int:
+        """Where a length is drawn: the length, or a grid's side."""
+        return math.isqrt(length) if self.grid else length
 
     def learnt(self, label: str) -> list[RunRecord]:
         return [r for r in self.groups[label] if learnt(r)]
@@ -151,8 +165,10 @@ def task_tables(runs: Sequence[RunRecord]) -> list[TaskTable]:
         lengths = sorted({int(e["length"]) for r in members for e in r.results["task"]["entries"]})
         tests = list(dict.fromkeys(test_set(e) for r in members for e in r.results["task"]["entries"]))
         groups = {g.label: g.runs for g in group_runs(members).values()}
+        cls = task_class(task["name"])
         tables.append(TaskTable(task["name"], label, groups, lengths, list(task.get("metrics", ["accuracy"])),
-                                float(task.get("chance", 0.0)), min(r.train_context for r in members), tests))
+                                float(task.get("chance", 0.0)), min(r.train_context for r in members), tests,
+                                grid=cls is not None and cls.layout == "grid"))
     return tables
 
 
@@ -181,8 +197,14 @@ TEST_NOTES = {
                                 "baselines: `chance` guesses among all values, `in_context` among the values in the "
                                 "sequence (1/N), `elimination` among the values whose pairs have not been queried "
                                 "yet (1/N when answers are labels only): a model above them reads the query key",
+    ("life", STANDARD): "one Game of Life step at every cell; baselines: `unchanged` (every cell keeps its state) "
+                        "and `all_dead`",
+    ("lookup", STANDARD): "one query cell per grid asks for the symbol 1-3 cells away; baselines: `most_frequent` "
+                          "(the grid's most frequent symbol) and `one_offset` (the best single offset for every query)",
+    ("same_line", STANDARD): "markers A and B: row, col or neither at B, balanced; baseline: `majority` (the most "
+                             "common answer)",
 }
-"""One line per test set in tasks.md (docs/tasks.md describes them)."""
+"""One line per test set in tasks.md (docs/tasks.md and docs/grid.md describe them)."""
 
 
 BANDS = {"by_position": "answer position", "by_lookback": "lookback", "by_string_length": "string length"}
@@ -190,7 +212,7 @@ BANDS = {"by_position": "answer position", "by_lookback": "lookback", "by_string
 
 
 def _head(table: TaskTable) -> str:
-    return " | ".join(f"L={L} ({L // table.context}C)" if L % table.context == 0 else f"L={L}" for L in table.lengths)
+    return " | ".join(table.length_name(L) for L in table.lengths)
 
 
 def _baseline_rows(table: TaskTable, test: str) -> list[str]:
@@ -225,7 +247,9 @@ def _band_table(table: TaskTable, test: str, by: str, title: str) -> list[str]:
                      key=lambda b: int(b.split("-")[0]))
     if not buckets:
         return []
-    lines = [f"**accuracy by {title} at L={longest}** (learnt seeds)", "",
+    if table.grid and by == "by_position":
+        title = "ring = max(row, col)"
+    lines = [f"**accuracy by {title} at {table.length_name(longest).split(' ')[0]}** (learnt seeds)", "",
              "| method | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
     answers = {}
     for label in table.groups:
@@ -249,7 +273,8 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
               "are averaged; the others are listed apart as not learnt at C. See docs/tasks.md."), ""]
     for table in tables:
         c = table.context
-        lines += [f"## {table.label}", "", f"Training context C = {c}; chance {table.chance:.3f}.", ""]
+        trained = f"{table.length_name(c)} = {c} cells" if table.grid else f"C = {c}"
+        lines += [f"## {table.label}", "", f"Training context {trained}; chance {table.chance:.3f}.", ""]
         for test in table.tests:
             lines += [f"### test set `{test}`", "", TEST_NOTES.get((table.name, test), test) + ".", ""]
             for metric in table.metrics:
@@ -306,7 +331,8 @@ def tables_csv(tables: Sequence[TaskTable]) -> str:
     return buffer.getvalue()
 
 
-SHORTCUTS = ("previous_bit", "previous_symbol", "most_frequent", "in_context", "elimination")
+SHORTCUTS = ("previous_bit", "previous_symbol", "most_frequent", "in_context", "elimination", "unchanged", "all_dead",
+             "one_offset", "majority")
 """Baselines drawn as the best shortcut line (the window-C oracle is drawn apart)."""
 
 
@@ -316,10 +342,11 @@ def _baseline_lines(ax, table: TaskTable, test: str) -> None:
     values = [table.baselines(test, L) for L in table.lengths]
     best = [max((v[k] for k in SHORTCUTS if k in v), default=None) for v in values]
     if any(b is not None for b in best):
-        ax.plot([L for L, b in zip(table.lengths, best, strict=True) if b is not None], [b for b in best if b is not None],
+        ax.plot([table.x(L) for L, b in zip(table.lengths, best, strict=True) if b is not None],
+                [b for b in best if b is not None],
                 color="grey", linestyle="--", linewidth=1, label="best shortcut")
     if all("window_C" in v for v in values):
-        ax.plot(table.lengths, [v["window_C"] for v in values], color="silver", linestyle="-.", linewidth=1,
+        ax.plot([table.x(L) for L in table.lengths], [v["window_C"] for v in values], color="silver", linestyle="-.", linewidth=1,
                 label="window-C oracle")
 
 
@@ -337,7 +364,7 @@ def task_figure(table: TaskTable):
             points = [(L, v) for L, v in points if v is not None]
             if not points:
                 continue
-            x = np.array([L for L, _ in points], dtype=float)
+            x = np.array([table.x(L) for L, _ in points], dtype=float)
             y = np.array([v.mean for _, v in points])
             err = np.array([[v.mean - (v.low if v.low is not None else v.mean) for _, v in points],
                             [(v.high if v.high is not None else v.mean) - v.mean for _, v in points]])
@@ -347,11 +374,12 @@ def task_figure(table: TaskTable):
                         label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''}{note})")
         if metric == "accuracy":
             _baseline_lines(ax, table, test)
-        ax.axvline(table.context, color="black", linestyle=":", linewidth=1)
+        ax.axvline(table.x(table.context), color="black", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(table.lengths, [str(L) for L in table.lengths])
+        ax.set_xticks([table.x(L) for L in table.lengths],
+                      [table.length_name(L) if table.grid else str(L) for L in table.lengths])
         ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("test length L (dotted: training context)")
+        ax.set_xlabel("test grid side (dotted: training grid)" if table.grid else "test length L (dotted: training context)")
         ax.set_ylabel(metric.replace("_", " "))
         ax.grid(alpha=0.3)
         ax.set_title(f"test set {test}: {metric} on answer tokens", fontsize=8)

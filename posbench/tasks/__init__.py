@@ -24,7 +24,7 @@ from posbench.tasks.base import (
 )
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
-    importlib.import_module(f"{__name__}.{_module}")  # generators: flipflop, assoc_recall, copy
+    importlib.import_module(f"{__name__}.{_module}")  # generators, then grid, grid_lookup, grid_same_line
 
 __all__ = ["Batch", "IGNORE", "TEST", "TRAIN", "Task", "TaskBatches", "VALID", "answer_share", "list_tasks",
            "make_task", "register_task", "unregister_task"]

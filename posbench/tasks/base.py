@@ -172,6 +172,12 @@ class Task:
         """The bands ``[a, b)`` an answer axis is reported by at ``length`` (:func:`lookback_bands`)."""
         return lookback_bands(length, self.context)
 
+    def position_bands(self, length: int) -> dict[str, np.ndarray] | None:
+        """The bands results.json's ``by_position`` reports answers by at ``length``: band name ->
+        ``(L,)`` bool mask of the targets in it. None (sequence tasks): the target position's bands
+        0-C, C-2C, 2C-4C, ... (:func:`posbench.evaluation.curves.band_edges`); a grid task's are rings."""
+        return None
+
     def baselines(self, batch: Batch) -> dict[str, np.ndarray]:
         """Per answer, the expected correctness ``(N, L)`` of guesses a model could make without
         solving the task: ``chance`` and the task's shortcuts."""

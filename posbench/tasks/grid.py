@@ -6,9 +6,12 @@ every cell sees every cell, and a cell's position is its (row, col). Answers are
 (``Batch.labels``), never the next input. Trained at one side (``trainer.context`` = side**2,
 e.g. 64 for 8 x 8) and tested at 2x and 4x per side (``eval.lengths: [64, 256, 1024]``).
 
-Accuracy is also reported by ``ring`` = max(row, col), the square the cell lies in: ring < side
-is inside the training grid's square (the top-left corner of a larger grid), ring >= side is a
-cell at a row or column never seen in training.
+Accuracy is reported by ``ring`` = max(row, col), the square the cell lies in (``by_position``
+and ``by_ring``): ring < side is inside the training grid's square (the top-left corner of a
+larger grid), ring >= side is a cell at a row or column never seen in training.
+
+This module holds the shared :class:`GridTask` and ``life``; ``lookup`` and ``same_line`` are in
+:mod:`posbench.tasks.grid_lookup` and :mod:`posbench.tasks.grid_same_line`.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ class GridTask(Task):
     layout = "grid"
     MIN_SIDE = 2
 
-    def __init__(self, context: int, **options) -> None:
-        super().__init__(context, **options)
+    def __init__(self, context: int, *, seed: int = 0, tests=None, learnt_at_c=None) -> None:
+        super().__init__(context, seed=seed, tests=tests, learnt_at_c=learnt_at_c)
         self.side = square_side(context, "trainer.context")
 
     def check_length(self, length: int) -> None:
@@ -78,6 +81,12 @@ class GridTask(Task):
         if edges[-1] < side:
             edges.append(side)
         return list(itertools.pairwise(edges))
+
+    def position_bands(self, length: int) -> dict[str, np.ndarray]:
+        """``by_position`` by ring, not by the flattened index: ``"a-b"`` = the cells with
+        a <= max(row, col) < b, over :meth:`axis_bands` (0-s, s-2s, 2s-4s, ...)."""
+        rings = self.rings(length)
+        return {f"{a}-{b}": (rings >= a) & (rings < b) for a, b in self.axis_bands("ring", length)}
 
     @staticmethod
     def batch(inputs: np.ndarray, labels: np.ndarray, answers: np.ndarray) -> Batch:

@@ -310,7 +310,7 @@ def test_a_length_without_any_answer_is_recorded_not_a_crash():
 @pytest.mark.parametrize("section, message", [
     ({"name": "flipflop", "p_ignore": 1.5}, "task.p_ignore=1.5 must be a probability"),
     ({"name": "flipflop", "bogus": 1}, "valid options: seed, p_ignore, eval_p_ignore"),
-    ({"name": "nope"}, "unknown task 'nope'; choose one of: flipflop, assoc_recall, copy"),
+    ({"name": "nope"}, "unknown task 'nope'; choose one of: flipflop, assoc_recall, copy, life, lookup, same_line"),
     ({"name": "assoc_recall", "num_pairs": 9}, "task.num_pairs=9 needs a training context of at least 36"),
     ({"name": "copy", "num_symbols": 1}, "task.num_symbols=1 must be an integer >= 2"),
 ])
