@@ -25,6 +25,7 @@ from posbench.model.extension import check_names, resolve_extensions
 from posbench.model.positions import randomize_max_from_config
 from posbench.model.transformer import ModelConfig
 from posbench.tasks import Task, make_task
+from posbench.tasks.base import task_class
 from posbench.train.settings import TrainerConfig
 
 logger = logging.getLogger("posbench")
@@ -148,7 +149,8 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise PosbenchError(f"seed must be an integer, got {seed!r}")
-    evaluation.check_lengths(trainer.context, need_headline=True)  # eval.probes: the trainer checks them
+    # eval.probes: the trainer checks them; a grid task checks its own (square grids, twice the side)
+    evaluation.check_lengths(trainer.context, need_headline=not is_grid_task(cfg.get("task")))
     longest = max(max(evaluation.lengths), trainer.context)
     if probe.max_positions is not None and longest > probe.max_positions:
         raise PosbenchError(
@@ -170,6 +172,14 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
         raise PosbenchError(f"seed={seed}: a task run's seed must be >= 0 (it seeds the training sequences)")
     return RunSpec(trainer, evaluation, model, method, data, seed,
                    str(cfg.get("run_name", f"{method.name}-s{seed}")), task, task_options)
+
+
+def is_grid_task(section: Any) -> bool:
+    """Whether a ``task`` config section names a grid task (None: a text run)."""
+    if section is None:
+        return False
+    cls = task_class(str(section.get("name", "")))
+    return cls is not None and cls.layout == "grid"
 
 
 def check_layout(method: Any, task: Task | None) -> str:

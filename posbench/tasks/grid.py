@@ -54,6 +54,17 @@ class GridTask(Task):
             raise PosbenchError(f"task={self.name} needs grids of at least {self.MIN_SIDE} x {self.MIN_SIDE}, "
                                 f"got eval length {length}")
 
+    def check_lengths(self, lengths) -> None:
+        """Square grids, at least one of them past the training grid: twice its side or more
+        (the sequence runs' C-2C headline, per side)."""
+        super().check_lengths(lengths)
+        wanted = self.extrapolation_length()
+        if max(lengths) < wanted:
+            shown = ",".join(map(str, sorted(set(lengths) | {wanted})))
+            raise PosbenchError(f"eval.lengths {list(lengths)} has no grid of twice the training side "
+                                f"((2 x {self.side})^2 = {wanted} cells), so nothing is measured past the training "
+                                f"grid; add it, e.g. eval.lengths=[{shown}]")
+
     def extrapolation_length(self) -> int:
         """The in-training validation's second grid: twice the side (4x the cells)."""
         return (2 * self.side) ** 2

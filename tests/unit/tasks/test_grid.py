@@ -253,3 +253,17 @@ def as_sequence_task(run):
     from posbench.runs.results import RunRecord
 
     return RunRecord(run.path, {**run.results, "task": {**run.results["task"], "name": "copy"}})
+
+
+@pytest.mark.parametrize("lengths, message", [
+    ("[64]", r"eval.lengths \[64\] has no grid of twice the training side \(\(2 x 8\)\^2 = 256 cells\)"
+             r".*e.g. eval.lengths=\[64,256\]$"),
+    ("[64,128]", "eval.lengths=128 is not a square grid"),
+])
+def test_grid_eval_lengths_name_a_grid_that_exists(lengths, message):
+    """A grid run's lengths were checked as a sequence run's: it asked for 2C = 128 cells, which is
+    no grid, and suggested eval.lengths=[64,128], itself refused."""
+    from posbench.runs.spec import build_spec
+
+    with pytest.raises(PosbenchError, match=message):
+        build_spec(compose_config("train", ["task=life", "method=axial_rope", f"eval.lengths={lengths}"]))
