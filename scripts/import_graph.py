@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent / "posbench"
 # settings it owns) sits in layer 1 beside ``config``: the run spec and lower layers build them.
 LAYERS: list[tuple[str, ...]] = [
     ("core", "configs"),
-    ("config", "runtime", "train.settings", "evaluation.settings", "bench.settings"),
+    ("config", "runtime", "train.settings", "evaluation.settings", "bench.settings", "viz.settings"),
     ("methods",),
     ("model",),
     ("data", "tasks"),

@@ -30,8 +30,9 @@ def settings_groups() -> dict[str, type]:
     from posbench.bench.settings import BenchSettings
     from posbench.evaluation.settings import EvalConfig
     from posbench.train.settings import TrainerConfig
+    from posbench.viz.settings import VizSettings
 
-    return {"trainer": TrainerConfig, "eval": EvalConfig, "bench": BenchSettings}
+    return {"trainer": TrainerConfig, "eval": EvalConfig, "bench": BenchSettings, "viz": VizSettings}
 
 
 @functools.cache

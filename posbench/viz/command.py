@@ -55,7 +55,8 @@ from posbench.runtime.device import resolve_device
 from posbench.train.loggers import upload_figures
 from posbench.viz.draw import viz_method, viz_run
 from posbench.viz.figures import overview_figure
-from posbench.viz.settings import VizSettings, settings_from_config
+from posbench.viz.checks import settings_from_config
+from posbench.viz.settings import VizSettings
 
 logger = logging.getLogger("posbench")
 Log = Callable[[str], None]

@@ -1,8 +1,11 @@
-"""The ``posbench viz`` settings: typed, documented, validated (configs/viz.yaml holds the defaults).
+"""The ``posbench viz`` settings: typed and documented, their defaults written once here (Hydra's
+ConfigStore holds them as ``viz_settings``, which ``configs/viz.yaml`` composes; docs/configuration.md's
+viz table is generated from these classes).
 
-The sections mirror the YAML (``attention.*``, ``decay.*``), each built with
+The sections are ``attention.*`` and ``decay.*``, each built with
 :func:`posbench.config.settings.from_section`, so an unknown key or a value of the wrong type is
-one line naming the key.
+one line naming the key. A layer-1 module: the checks that need the extension menu and the figure
+formats are :mod:`posbench.viz.checks`.
 """
 
 from __future__ import annotations
@@ -10,12 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
-from posbench.model.extension import EXTENSIONS
-from posbench.report.figures import check_formats
 
 
 def _positive_integers(section: str, obj: Any, *names: str) -> None:
@@ -51,28 +50,26 @@ class DecaySettings:
     bases: list[float] = field(default_factory=lambda: [10000.0, 500000.0])
     """RoPE bases drawn in the long-term decay figure (the method's own too)."""
     rules: list[str] = field(default_factory=list)
-    """Evaluation-time extensions drawn too (those that apply to the method; any of
-    :data:`posbench.model.extension.EXTENSIONS`)."""
+    """Evaluation-time extensions drawn too (those that apply to the method): names of the
+    ``eval.extension`` menu, e.g. ``[linear, ntk, yarn]`` (docs/context-extension.md)."""
 
     def validate(self) -> None:
         if any(isinstance(base, bool) or not isinstance(base, (int, float)) or base <= 0 for base in self.bases):
             raise PosbenchError(f"decay.bases must be positive numbers, got {self.bases}")
         self.bases = [float(base) for base in self.bases]
-        self.rules = [str(rule) for rule in self.rules]
-        for rule in self.rules:
-            if rule not in EXTENSIONS:
-                raise PosbenchError(f"unknown decay rule {rule!r}; choose from the extensions "
-                                    f"{', '.join(EXTENSIONS)} (decay.rules=[...])")
+        self.rules = [str(rule) for rule in self.rules]  # names checked by posbench.viz.checks
 
 
 @dataclass
 class VizSettings:
-    """The ``posbench viz`` options that shape the figures (see configs/viz.yaml)."""
+    """The ``posbench viz`` options that shape the figures (the others, ``run``, ``out``, ``method``,
+    ``model``, ``device``, ``wandb``, ``debug``: configs/viz.yaml)."""
 
     context: int = 256
     """The training context C marked in method=<name> figures (a run uses its own)."""
     span: int = 4
-    """Distance / position axes of the signal figures run from 0 to span x C."""
+    """Distance / position axes of the signal figures run from 0 to span x C; a grid run's
+    pictures are drawn at the training side doubled up to span x the side."""
     formats: list[str] = field(default_factory=lambda: ["png"])
     """Figure formats: any of png, pdf, svg."""
     attention: AttentionSettings = field(default_factory=AttentionSettings)
@@ -81,7 +78,7 @@ class VizSettings:
     """The long-term decay figure (:class:`DecaySettings`)."""
 
     def validate(self) -> VizSettings:
-        self.formats = check_formats(self.formats)
+        """Ranges and sections (the format names and decay rules: :mod:`posbench.viz.checks`)."""
         _positive_integers("", self, "context", "span")
         for name, section in (("attention", AttentionSettings), ("decay", DecaySettings)):
             value = getattr(self, name)
@@ -98,15 +95,4 @@ class VizSettings:
         return replace(self, context=context)
 
 
-KEYS = ("context", "span", "formats", "attention", "decay")
-"""The keys of the viz config that are settings (the others: run, out, method, model, device, wandb, ...)."""
-
-
-def settings_from_config(cfg: DictConfig | dict[str, Any]) -> VizSettings:
-    """The ``posbench viz`` config -> validated settings; a key it lacks keeps the
-    :class:`VizSettings` default (the one place defaults live besides viz.yaml, tested equal)."""
-    values = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-    return from_section(VizSettings, "", {key: values[key] for key in KEYS if key in values})
-
-
-__all__ = ["AttentionSettings", "DecaySettings", "VizSettings", "settings_from_config"]
+__all__ = ["AttentionSettings", "DecaySettings", "VizSettings"]

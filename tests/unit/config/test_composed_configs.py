@@ -2,8 +2,11 @@
 trainer's and the evaluator's defaults were written in YAML (``tests/data/composed_configs.json``).
 
 Their defaults now live once, in the settings dataclasses (posbench/train/settings.py,
-posbench/evaluation/settings.py), and reach Hydra through its ConfigStore; every key, its value,
-its type (``30`` stays an int) and the order of the keys must be what the YAML gave.
+posbench/evaluation/settings.py, posbench/bench/settings.py, posbench/viz/settings.py), and reach
+Hydra through its ConfigStore; every key, its value, its type (``30`` stays an int) and the order
+of the keys must be what the YAML gave. One deliberate change was recorded since: viz's settings
+come first in its composed config (they are composed before viz.yaml's own keys), and its
+``decay.bases`` read as the floats they are validated into.
 
     python tests/unit/config/test_composed_configs.py --write   # record the expectation again (after a deliberate change)
 """

@@ -134,7 +134,7 @@ def test_settings_group_defaults_are_written_once(group):
 def test_command_defaults_live_once(command):
     """The settings a command falls back to without its YAML are the YAML's."""
     from posbench.bench.checks import settings_from_config as bench_settings
-    from posbench.viz.settings import settings_from_config as viz_settings
+    from posbench.viz.checks import settings_from_config as viz_settings
 
     if command == "bench":
         from_yaml, _ = bench_settings(compose_config("bench", []))

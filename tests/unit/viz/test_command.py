@@ -148,7 +148,8 @@ def test_decay_rules_come_from_the_config_and_the_extensions():
     the positions, so its curve at distance 10 is the method's own at 5."""
     from posbench.viz.draw import decay_curves
     from posbench.viz.measures import decay_rules
-    from posbench.viz.settings import VizSettings, settings_from_config
+    from posbench.viz.checks import settings_from_config
+    from posbench.viz.settings import VizSettings
 
     cfg = compose_config("viz", ["method=rope", "model=tiny", "context=16", "span=2", "decay.rules=[linear,window]"])
     settings = settings_from_config(cfg)
@@ -231,7 +232,8 @@ def test_bad_viz_settings_are_one_line_before_any_figure(override, message, tmp_
 
 
 def test_viz_settings_mirror_the_yaml():
-    from posbench.viz.settings import AttentionSettings, DecaySettings, settings_from_config
+    from posbench.viz.checks import settings_from_config
+    from posbench.viz.settings import AttentionSettings, DecaySettings
 
     s = settings_from_config(compose_config("viz", ["attention.layers=[1]", "decay.bases=[5000]", "formats=[svg,png]"]))
     assert s.attention == AttentionSettings(layers=[1]) and s.decay == DecaySettings(bases=[5000.0])
