@@ -53,9 +53,9 @@ from posbench.runs.results import discover_runs
 from posbench.runs.rundir import RunDir
 from posbench.runtime.device import resolve_device
 from posbench.train.loggers import upload_figures
+from posbench.viz.checks import settings_from_config
 from posbench.viz.draw import viz_method, viz_run
 from posbench.viz.figures import overview_figure
-from posbench.viz.checks import settings_from_config
 from posbench.viz.settings import VizSettings
 
 logger = logging.getLogger("posbench")

@@ -146,9 +146,9 @@ def test_recorded_attention_is_the_models_eager_attention(method, monkeypatch):
 def test_decay_rules_come_from_the_config_and_the_extensions():
     """decay.rules names evaluation-time extensions; linear at span 2 (factor L / C = 2) halves
     the positions, so its curve at distance 10 is the method's own at 5."""
+    from posbench.viz.checks import settings_from_config
     from posbench.viz.draw import decay_curves
     from posbench.viz.measures import decay_rules
-    from posbench.viz.checks import settings_from_config
     from posbench.viz.settings import VizSettings
 
     cfg = compose_config("viz", ["method=rope", "model=tiny", "context=16", "span=2", "decay.rules=[linear,window]"])
