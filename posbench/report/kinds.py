@@ -36,6 +36,7 @@ from posbench.report.curves import (
 )
 from posbench.report.extension import plot_extensions
 from posbench.report.figures import save
+from posbench.report.task_pairs import task_pairs, task_pairs_markdown
 from posbench.report.tasks import plot_task_runs, tables_markdown, task_figure, task_tables, unscored_reason
 from posbench.runs.results import RunRecord
 
@@ -180,7 +181,11 @@ class TaskKind(RunKind):
 
     def compare(self, runs: Sequence[RunRecord], out: Path, formats: Sequence[str], log: Log,
                 problems: Sequence[tuple[str, str]]) -> Compared:
-        return Compared(plot_task_runs(runs, out, formats, log), list(runs), {}, None, f"{len(runs)} task runs")
+        files = plot_task_runs(runs, out, formats, log)
+        if files:  # and the paired differences between methods, by seed
+            write_text_atomic(out / "tasks_paired.md", task_pairs_markdown(task_pairs(task_tables(runs))))
+            files.append(out / "tasks_paired.md")
+        return Compared(files, list(runs), {}, None, f"{len(runs)} task runs")
 
     def run_figures(self, run: RunRecord, out: Path, formats: Sequence[str], title: str) -> list[Path]:
         written: list[Path] = []

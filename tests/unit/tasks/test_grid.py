@@ -209,6 +209,7 @@ def test_cli_trains_grid_tasks_and_plots_them_by_grid_side(tmp_path):
     assert "Training context 4x4 = 16 cells" in table
     assert "t over 2 seeds" in table  # axial_rope's two seeds of lookup are one group
     assert (out / "tasks_lookup.png").stat().st_size > 0 and (out / "tasks_same_line.png").stat().st_size > 0
+    assert (out / "tasks_paired.md").read_text().startswith("# Synthetic tasks: paired differences of accuracy")
     rows = (out / "tasks.csv").read_text().splitlines()
     assert any(r.startswith("lookup,") and ",64,4-8," in r for r in rows)
 

@@ -1,0 +1,97 @@
+"""Paired differences of task accuracy between methods, by seed (``tasks_paired.md``).
+
+For every task table, every pair of groups (A, B) and every length, A minus B of the plain
+model's accuracy on the standard test, paired by seed over the seeds that learnt the task at C in
+*both* groups (a run not learnt at C makes no claim past C), with a Student-t interval over the
+per-seed differences (:func:`posbench.evaluation.stats.paired_difference`). A pair needs two
+common learnt seeds: one seed gives no interval and is listed as such, never as a verdict.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from posbench.evaluation.stats import Interval, paired_difference
+from posbench.report.tasks import TaskTable, plain_entries
+
+METRIC = "accuracy"
+
+
+@dataclass(frozen=True)
+class TaskPair:
+    """One row: ``a`` minus ``b`` on ``task`` at ``length`` (its name ``where``), over ``seeds``."""
+
+    task: str
+    where: str
+    a: str
+    b: str
+    seeds: tuple[int, ...]
+    difference: Interval | None
+
+    @property
+    def verdict(self) -> str:
+        d = self.difference
+        if d is None or d.low is None or d.high is None or len(self.seeds) < 2:
+            return "no interval (fewer than 2 common learnt seeds)"
+        if d.low > 0:
+            return "A above B"
+        if d.high < 0:
+            return "A below B"
+        return "not distinguishable"
+
+
+def accuracy_by_seed(table: TaskTable, label: str, length: int) -> dict[int, float]:
+    """seed -> the accuracy at ``length`` of the group's runs that learnt the task at C."""
+    out = {}
+    for run in table.learnt(label):
+        entry = plain_entries(run, METRIC).get(length)
+        if entry is not None and entry[METRIC].get("mean") is not None:
+            out[run.seed] = float(entry[METRIC]["mean"])
+    return out
+
+
+def task_pairs(tables: Sequence[TaskTable]) -> list[TaskPair]:
+    """Every pair of groups of every table at every length (groups in table order)."""
+    rows = []
+    for table in tables:
+        for length in table.lengths:
+            values = {label: accuracy_by_seed(table, label, length) for label in table.groups}
+            for a, b in itertools.combinations(table.groups, 2):
+                common = tuple(sorted(set(values[a]) & set(values[b])))
+                if not common:
+                    continue
+                diff = paired_difference(values[a], values[b]) if len(common) >= 2 else None
+                rows.append(TaskPair(table.label, table.length_name(length), a, b, common, diff))
+    return rows
+
+
+def _interval_text(d: Interval | None) -> tuple[str, str]:
+    if d is None or d.low is None or d.high is None:
+        return ("-" if d is None else f"{d.mean:+.3f}"), "-"
+    return f"{d.mean:+.3f}", f"[{d.low:+.3f}, {d.high:+.3f}]"
+
+
+def task_pairs_markdown(rows: Sequence[TaskPair]) -> str:
+    """The pairs as one markdown table per task."""
+    lines = ["# Synthetic tasks: paired differences of accuracy", "",
+             "A - B of the accuracy on the standard test (fraction of right answers; positive: A is "
+             "better), paired by seed over the seeds that learnt the task at C in both groups; 95 % "
+             "Student-t interval over the per-seed differences. **not distinguishable**: the interval "
+             "contains 0. With fewer than 2 common learnt seeds there is no interval and no verdict. "
+             "See docs/tasks.md.", ""]
+    for task in dict.fromkeys(r.task for r in rows):
+        lines += [f"## {task}", "", "| where | A | B | A - B | 95 % interval | seeds | verdict |",
+                  "|---|---|---|---:|---|---|---|"]
+        for r in (r for r in rows if r.task == task):
+            mean, interval = _interval_text(r.difference)
+            seeds = ",".join(map(str, r.seeds))
+            lines.append(f"| {r.where} | {r.a} | {r.b} | {mean} | {interval} | {seeds} | {r.verdict} |")
+        lines.append("")
+    if not rows:
+        lines.append("No pair of groups shares a seed that learnt the task at C.")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+__all__ = ["TaskPair", "accuracy_by_seed", "task_pairs", "task_pairs_markdown"]
