@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import results_of, run_eval
 
 from posbench.evaluation.tasks import answer_scores, task_entry
 from posbench.model.transformer import ModelConfig, build_model
@@ -65,6 +66,17 @@ def test_a_trained_text_run_results_json_is_declared(trained_run):
     plain, rerope = (e for e in results["eval"] if e["length"] == 64)
     assert {"windowed", "cost", "effective_length", "sequence_bands"} <= plain.keys()
     assert "extension_options" in rerope and "train" in results and "environment" in results
+
+
+def test_entries_posbench_eval_adds_are_declared(trained_run):
+    """After posbench eval: an entry added at a new length, a variant (other windows) and the
+    keys it stamps on every entry (data, checkpoint_step, precision)."""
+    run_dir = trained_run()
+    run_eval(run_dir, "eval.lengths=[64,96]", "eval.num_sequences=2")
+    results = results_of(run_dir)
+    assert mismatches(results, Results, "results") == []
+    assert any(e.get("added") for e in results["eval"]) and results["eval_variants"][0]["variant"]
+    assert {"data", "checkpoint_step", "precision"} <= results["eval_variants"][0].keys()
 
 
 def test_task_entries_are_declared():
