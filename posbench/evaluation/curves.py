@@ -15,6 +15,7 @@ import numpy as np
 
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.stats import moving_average
+from posbench.runs.records import CurveSummary
 
 # Effective length: smoothing in positions (its tolerance in nats is eval.effective_length_eps).
 EFFECTIVE_LENGTH_WINDOW = 64
@@ -83,7 +84,7 @@ def effective_length(loss_by_position: np.ndarray, reference: np.ndarray | float
     return int(train_context + np.argmax(excess)) if excess.any() else int(curve.size)
 
 
-def curve_summary(per_sequence: np.ndarray, train_context: int) -> dict[str, Any]:
+def curve_summary(per_sequence: np.ndarray, train_context: int) -> CurveSummary:
     """``loss_by_position``, ``bands``, ``sequence_bands``, ``cumulative_perplexity`` and
     ``perplexity_ratio`` of ``[N, L]`` per-sequence losses (the per-(split, length) block of
     results.json, for the full or the windowed pass)."""

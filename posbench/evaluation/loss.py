@@ -39,6 +39,7 @@ from posbench.evaluation.settings import EvalConfig
 from posbench.model.extension import NONE, evaluation_order, extended, record_extension
 from posbench.model.transformer import CPU_LOGITS_CHUNK_BYTES
 from posbench.runs.entries import headline_entries
+from posbench.runs.records import EvaluatedRun, LossEntry
 from posbench.runs.schema import SCHEMA_VERSION
 
 # Upper bound for one chunk of float32 logits; log-softmax/cross-entropy needs about one more
@@ -226,7 +227,7 @@ def _positive_int(name: str, value: Any) -> int:
 def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig, train_context: int,
                    device: str | torch.device, log: Callable[[str], Any] = print,
                    autocast_dtype: torch.dtype | None = None,
-                   effective_length_window: int = EFFECTIVE_LENGTH_WINDOW) -> list[dict[str, Any]]:
+                   effective_length_window: int = EFFECTIVE_LENGTH_WINDOW) -> list[LossEntry]:
     """Evaluate ``model`` on ``tokens`` (the ``evaluation.split`` text) at every length of
     ``evaluation`` (its ``lengths``, ``num_sequences``, ``batch_size``, ``window_stride``,
     ``effective_length_eps``, ``extension`` (resolved names), ``extension_factor`` and the
@@ -312,14 +313,14 @@ def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig,
 
 def _entry(full: np.ndarray, past: np.ndarray | None, plain_inside: np.ndarray, *, split: str, length: int, count: int, train_context: int,
            sequences: Tensor, seconds: float, window_stride: int, window_seconds: float | None, eps: float,
-           smooth: int) -> dict[str, Any]:
+           smooth: int) -> LossEntry:
     """One results.json ``eval`` entry from the full-context losses ``full`` (N, L) and the
     windowed losses of the targets past the context ``past`` (N, L - C), or None when L <= C.
 
     The windowed curve is the plain model's, also inside the context (``plain_inside``, (N, C)):
     for a context extension, ``cost`` then includes what the extension costs inside C too."""
     summary = curve_summary(full, train_context)
-    entry: dict[str, Any] = {
+    entry: LossEntry = {
         "split": split,
         "length": length,
         "num_sequences": count,
@@ -352,7 +353,7 @@ def _entry(full: np.ndarray, past: np.ndarray | None, plain_inside: np.ndarray, 
 
 
 def evaluate_run(model: nn.Module, prepared: Any, spec: Any, device: torch.device,
-                 amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> dict[str, Any]:
+                 amp_dtype: torch.dtype | None, log: Callable[[str], None]) -> EvaluatedRun:
     """A run's final evaluation (``spec``: its :class:`posbench.runs.spec.RunSpec`) as results.json's
     top part: schema, method, seed, training context and the eval entries."""
     e = spec.eval
@@ -363,7 +364,7 @@ def evaluate_run(model: nn.Module, prepared: Any, spec: Any, device: torch.devic
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def headline(results: dict[str, Any], band: str = "256-512") -> float:
+def headline(results: EvaluatedRun, band: str = "256-512") -> float:
     """The plain model's loss in ``band`` (nan when not evaluated)."""
     for entry in headline_entries(results.get("eval", [])):
         if band in entry.get("bands", {}):

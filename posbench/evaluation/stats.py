@@ -31,6 +31,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from posbench.runs.records import IntervalSummary
+
 LEVEL = 0.95
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
@@ -63,7 +65,7 @@ class Interval:
             return None
         return not (self.low <= 0.0 <= self.high)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> IntervalSummary:
         return asdict(self) | {"half_width": self.half_width}
 
 

@@ -23,6 +23,7 @@ from posbench.evaluation.curves import band_edges
 from posbench.evaluation.loss import inference, sequences_fingerprint
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.model.extension import NONE, evaluation_order, extended, record_extension
+from posbench.runs.records import EvaluatedRun, IntervalSummary, LearntAtC, TaskEntry, TaskRecord
 from posbench.runs.schema import SCHEMA_VERSION
 from posbench.tasks.base import IGNORE, STANDARD, TEST, VALID, Batch, Task, task_class
 
@@ -57,7 +58,7 @@ def sequence_accuracy(correct: np.ndarray, answers: np.ndarray) -> tuple[np.ndar
     return (correct & answers)[rows].sum(axis=1) / counts[rows], rows
 
 
-def summary(values: np.ndarray) -> dict[str, Any]:
+def summary(values: np.ndarray) -> IntervalSummary:
     """Mean and bootstrap interval over sequences (:func:`posbench.evaluation.stats.bootstrap_interval`)."""
     if values.size == 0:
         return {"mean": None, "low": None, "high": None, "n": 0, "kind": "none", "half_width": None}
@@ -109,11 +110,11 @@ def position_bands(task: Task, answers: np.ndarray, train_context: int) -> dict[
 
 
 def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, *, length: int,
-               train_context: int, test: str = STANDARD) -> dict[str, Any]:
+               train_context: int, test: str = STANDARD) -> TaskEntry:
     """One results.json ``task.entries`` item (docs/tasks.md, "Results")."""
     answers = batch.answers
     per_sequence, rows = sequence_accuracy(correct, answers)
-    entry: dict[str, Any] = {
+    entry: TaskEntry = {
         "split": ENTRY_SPLIT, "test_set": test, "length": length, "num_sequences": int(answers.shape[0]),
         "sequences_sha256": sequences_fingerprint(torch.from_numpy(np.asarray(batch.fingerprint_ids()))),
         "answers": int(answers.sum()),
@@ -135,7 +136,7 @@ def task_entry(task: Task, batch: Batch, correct: np.ndarray, loss: np.ndarray, 
 
 
 def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: int, device: torch.device,
-                  autocast_dtype: torch.dtype | None, log: Callable[[str], Any]) -> list[dict[str, Any]]:
+                  autocast_dtype: torch.dtype | None, log: Callable[[str], Any]) -> list[TaskEntry]:
     """Every (eval length, extension) of ``evaluation`` (an :class:`posbench.evaluation.settings.EvalConfig`)
     on ``evaluation.num_sequences`` test sequences of the task: the results.json entries."""
     entries = []
@@ -186,13 +187,13 @@ def validation_metrics(model: nn.Module, task: Task, sets: dict[str, Batch], con
 
 
 def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dtype: torch.dtype | None,
-                 log: Callable[[str], Any]) -> dict[str, Any]:
+                 log: Callable[[str], Any]) -> EvaluatedRun:
     """A task run's final evaluation (``spec``: its :class:`posbench.runs.spec.RunSpec`) as the top
     part of results.json: ``eval`` stays empty (no text loss curves), ``task`` holds the task,
     its options and the entries of :func:`evaluate_task`."""
     task, context = spec.task, spec.trainer.context
     entries = evaluate_task(model, task, spec.eval, context, device, autocast_dtype, log)
-    record = {"name": task.name, "options": {k: v for k, v in spec.task_options.items() if k != "name"},
+    record: TaskRecord = {"name": task.name, "options": {k: v for k, v in spec.task_options.items() if k != "name"},
               "metrics": list(task.metrics), "chance": task.chance(), "vocab_size": task.vocab_size, "entries": entries}
     record["learnt_at_c"] = learnt_at_c(record, context)
     if not record["learnt_at_c"]["learnt"]:
@@ -203,7 +204,7 @@ def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dty
             "eval": [], "task": record, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def learnt_at_c(task: dict[str, Any], train_context: int) -> dict[str, Any]:
+def learnt_at_c(task: TaskRecord, train_context: int) -> LearntAtC:
     """Whether a run learnt its task at C: the plain model's accuracy on the standard test at
     length C against ``task.learnt_at_c`` (the task's default for runs that predate the option).
     ``task`` is results.json's ``task``; a run with a recorded verdict keeps it. ``value`` is
@@ -221,7 +222,7 @@ def learnt_at_c(task: dict[str, Any], train_context: int) -> dict[str, Any]:
             "value": value, "learnt": bool(learnt)}
 
 
-def task_summary(results: dict[str, Any]) -> dict[str, float]:
+def task_summary(results: EvaluatedRun) -> dict[str, float]:
     """``task/<metric>_<L>`` of the plain model on the standard test (``task/<test>_<metric>_<L>``
     on the others): the W&B summary and the run's last log line; empty for text runs."""
     out: dict[str, float] = {}

@@ -40,6 +40,7 @@ from posbench.evaluation.stats import (
 from posbench.report.groups import Group, group_runs, grouping_notes, run_facets
 from posbench.report.listing import method_order
 from posbench.runs.entries import headline_entries
+from posbench.runs.records import CostCurve, CurveSummary, LossEntry
 from posbench.runs.results import RunRecord
 
 # Also read from here by the plot, probe, task, sweep and viz modules.
@@ -95,7 +96,7 @@ def run_values(run: RunRecord, split: str) -> dict[str, Value]:
     entries = sorted(own, key=lambda e: e["length"])
     values: dict[str, Value] = {}
 
-    def put(name: str, block: dict[str, Any] | None, band: str, sha: str | None, ratio: bool = False) -> None:
+    def put(name: str, block: LossEntry | CurveSummary | CostCurve | None, band: str, sha: str | None, ratio: bool = False) -> None:
         if name in values or not block:
             return
         table = block.get("perplexity_ratio" if ratio else "bands") or {}

@@ -15,6 +15,7 @@ import numpy as np
 from posbench.evaluation.stats import moving_average, pointwise_t_band
 from posbench.report.compare import Row, splits
 from posbench.report.figures import LEGEND_ONE_COLUMN, legend_outside, line_styles, new_figure, no_data, save
+from posbench.runs.records import LossEntry
 from posbench.runs.results import RunRecord
 
 TRAIN_EMA = 0.8
@@ -51,7 +52,7 @@ def _ema(values: np.ndarray, weight: float = TRAIN_EMA) -> np.ndarray:
 # --------------------------------------------------------------------------- data selection
 
 
-def _entry(run: RunRecord, split: str, length: int) -> dict[str, Any] | None:
+def _entry(run: RunRecord, split: str, length: int) -> LossEntry | None:
     return next((e for e in run.results["eval"] if e["split"] == split and e["length"] == length), None)
 
 
@@ -312,7 +313,7 @@ class _Curves:
         return [_seeds_label(label, len(runs)) for label, runs in groups.items() if label not in self.curves]
 
 
-def _curves(groups: dict[str, list[RunRecord]], split: str, length: int, pick: Callable[[dict[str, Any]], Any]
+def _curves(groups: dict[str, list[RunRecord]], split: str, length: int, pick: Callable[[LossEntry], Any]
             ) -> _Curves:
     """label -> per-seed arrays ``pick(entry)`` of the (split, length) entries that have one."""
     found = _Curves({}, [], {})

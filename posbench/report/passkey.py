@@ -18,6 +18,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from posbench.report.figures import new_figure, save
+from posbench.runs.records import Results
 
 
 def passkey_figure(entry: dict[str, Any], title: str = "") -> Figure:
@@ -53,7 +54,7 @@ def passkey_figure(entry: dict[str, Any], title: str = "") -> Figure:
     return fig
 
 
-def run_figures(results: dict[str, Any] | None, out_dir: Path, formats: Sequence[str], title: str = "") -> list[Path]:
+def run_figures(results: Results | None, out_dir: Path, formats: Sequence[str], title: str = "") -> list[Path]:
     """The passkey evaluation's figure hook (:class:`posbench.evaluation.probes.Probe` ``report``):
     ``passkey[_<extension>].<fmt>`` in ``out_dir`` for each of the run's own passkey entries."""
     written: list[Path] = []

@@ -34,6 +34,7 @@ from posbench.evaluation.tasks import learnt_at_c
 from posbench.model.extension import NONE
 from posbench.report.compare import group_runs
 from posbench.report.figures import line_styles, new_figure, save
+from posbench.runs.records import AxisSummary, TaskEntry
 from posbench.runs.results import RunRecord
 from posbench.tasks.base import STANDARD, task_class
 
@@ -48,12 +49,12 @@ def task_label(run: RunRecord) -> str:
     return f"{task['name']} {json.dumps(task.get('options', {}), sort_keys=True)}"
 
 
-def test_set(entry: dict[str, Any]) -> str:
+def test_set(entry: TaskEntry) -> str:
     """An entry's test set (entries from before named test sets are the standard one)."""
     return entry.get("test_set", STANDARD)
 
 
-def plain_entries(run: RunRecord, metric: str, test: str = STANDARD) -> dict[int, dict[str, Any]]:
+def plain_entries(run: RunRecord, metric: str, test: str = STANDARD) -> dict[int, TaskEntry]:
     """length -> the plain model's entry of test set ``test`` holding ``metric``."""
     return {int(e["length"]): e for e in run.results["task"]["entries"]
             if e.get("extension", NONE) == NONE and metric in e and test_set(e) == test}
@@ -142,7 +143,7 @@ class TaskTable:
                     return {k: v for k, v in entry["baselines"].items() if v is not None}
         return {"chance": self.chance}
 
-    def axis(self, test: str, length: int) -> tuple[str, dict[str, Any]] | None:
+    def axis(self, test: str, length: int) -> tuple[str, AxisSummary] | None:
         """The test's answer axis (``lookback``, ``string_length``) summary at ``length``, if stored."""
         for runs in self.groups.values():
             for run in runs:

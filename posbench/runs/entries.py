@@ -5,24 +5,26 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from posbench.runs.records import LossEntry, Results, TaskEntry
 
-def entry_extension(entry: dict[str, Any]) -> str:
+
+def entry_extension(entry: LossEntry | TaskEntry) -> str:
     """The context extension an eval entry was measured under (``none``: the plain model;
     entries written before extensions existed have no key and are plain)."""
     return str(entry.get("extension", "none"))
 
 
-def entry_key(entry: dict[str, Any]) -> tuple[str, int, str]:
+def entry_key(entry: LossEntry) -> tuple[str, int, str]:
     """What identifies an eval entry: (split, length, extension)."""
     return entry["split"], entry["length"], entry_extension(entry)
 
 
-def plain_entries(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def plain_entries(entries: Iterable[LossEntry]) -> list[LossEntry]:
     """The eval entries of the plain model (no context extension)."""
     return [e for e in entries if entry_extension(e) == "none"]
 
 
-def headline_entries(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def headline_entries(entries: Iterable[LossEntry]) -> list[LossEntry]:
     """The plain entries a run's headline is read from: those of its training-time evaluation.
 
     ``posbench eval`` marks what it adds later (``"added": true``, e.g. a new length), so an
@@ -37,7 +39,7 @@ MEASUREMENT_FIELDS = ("num_sequences", "sequences_sha256", "window_stride", "ext
                       "precision", "checkpoint_step")
 
 
-def entry_measurement(entry: dict[str, Any], recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+def entry_measurement(entry: LossEntry, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
     """What an entry was measured on and how (see ``MEASUREMENT_FIELDS``); a field the entry
     lacks is taken from ``recorded`` (what the run records for all its entries), else None."""
     values = {name: entry.get(name, (recorded or {}).get(name)) for name in MEASUREMENT_FIELDS}
@@ -53,7 +55,7 @@ def shown_setting(value: Any) -> str:
     return "/".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
-def variant_label(new: dict[str, Any], reference: dict[str, Any], recorded: dict[str, Any] | None = None) -> str | None:
+def variant_label(new: LossEntry, reference: LossEntry, recorded: dict[str, Any] | None = None) -> str | None:
     """``name=value,...`` for the measurement settings where ``new`` differs from ``reference``
     (None when it differs in none): the key ``posbench eval`` files a non-headline entry under.
     A setting the reference does not record (older entries) does not count as a difference,
@@ -69,7 +71,7 @@ def variant_label(new: dict[str, Any], reference: dict[str, Any], recorded: dict
                     for name in differs) or None
 
 
-def merge_eval_entries(results: dict[str, Any], entries: list[dict[str, Any]], replace: bool,
+def merge_eval_entries(results: Results, entries: list[LossEntry], replace: bool,
                        log: Callable[[str], None], recorded: dict[str, Any] | None = None) -> None:
     """Merge ``posbench eval``'s new ``entries`` into ``results`` (in place) without ever
     changing the run's headline behind the user's back. ``recorded``: measurement settings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -14,6 +14,7 @@ from posbench.core.errors import PosbenchError
 from posbench.data import PreparedData, cache_dir_of, prepare_data
 from posbench.model.transformer import ModelConfig, Transformer, build_model
 from posbench.runs.checkpoint import list_checkpoints, load_latest_checkpoint, load_model_weights
+from posbench.runs.records import Results
 from posbench.runs.rundir import RunDir
 from posbench.runs.spec import MethodSpec, data_config
 
@@ -27,7 +28,7 @@ class Run:
     path: Path
     model: Transformer
     config: DictConfig
-    results: dict[str, Any] | None
+    results: Results | None
     step: int
     data_dir: str | None = None
     """The token cache the run trained on, as its checkpoint records it."""

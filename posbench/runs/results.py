@@ -22,6 +22,7 @@ from posbench.config import method_option_names
 
 # Also read from here by the report, command and viz modules: a run's files, as one reader.
 from posbench.runs.entries import entry_extension, headline_entries, merge_eval_entries, plain_entries, shown_setting
+from posbench.runs.records import Results
 from posbench.runs.schema import RESULTS_FILE, read_results, write_results
 from posbench.runs.status import STATUS_FILE, read_refusal, read_status
 
@@ -71,7 +72,7 @@ def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def recorded_precision(results: dict[str, Any], config: Any) -> str | None:
+def recorded_precision(results: Results, config: Any) -> str | None:
     """The precision a run trained and was evaluated in (``bf16``, ``fp32``): its results.json
     ``environment``, else its config's ``trainer.precision`` when that names one; None when
     unknown (``auto`` before posbench recorded what it resolved to)."""
@@ -87,7 +88,7 @@ class RunRecord:
     """A run with a valid results.json. ``metrics`` is read from metrics.jsonl on first use."""
 
     path: Path
-    results: dict[str, Any]
+    results: Results
     status: dict[str, Any] | None = None
     _metrics: list[dict[str, Any]] | None = field(default=None, repr=False)
     _config: dict[str, Any] | None = field(default=None, repr=False)

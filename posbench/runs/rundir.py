@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from posbench.core.errors import PosbenchError, one_line
 from posbench.core.io import write_json_atomic, write_text_atomic
 from posbench.runs.checkpoint import checkpoint_dir, list_checkpoints
+from posbench.runs.records import Results
 from posbench.runs.results import CONFIG_FILE, METRICS_FILE, read_metrics
 from posbench.runs.schema import RESULTS_FILE, quarantine, read_results, write_results
 from posbench.runs.status import REFUSED_FILE, STATUS_FILE, read_status, write_status
@@ -244,7 +245,7 @@ class RunDir:
 
     # ------------------------------------------------------------------ results.json
 
-    def read_results(self, log: Callable[[str], None]) -> dict[str, Any] | None:
+    def read_results(self, log: Callable[[str], None]) -> Results | None:
         """results.json, or None when it is missing or damaged; a damaged one is reported in
         one line and left where it is (:meth:`write_results` sets it aside when it replaces it)."""
         try:
@@ -255,7 +256,7 @@ class RunDir:
             log(f"{self.results_path} is damaged ({damage(err)}); the run's final checkpoint can recompute it")
             return None
 
-    def write_results(self, results: dict[str, Any], log: Callable[[str], None] | None = None) -> Path:
+    def write_results(self, results: Results, log: Callable[[str], None] | None = None) -> Path:
         """Validate and write results.json under the results lock (never between a
         ``posbench eval``'s read and write). A damaged results.json it replaces is first set
         aside as ``results.json.corrupt`` (kept for inspection)."""

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from posbench import __version__
 from posbench.core.io import write_json_atomic
+from posbench.runs.records import LossEntry, Results, TrainRecord
 from posbench.runs.status import timestamp
 
 SCHEMA_VERSION = 1
@@ -36,10 +37,10 @@ def build_results(
     method: str,
     seed: int,
     train_context: int,
-    train: dict[str, Any],
-    eval: list[dict[str, Any]],
+    train: TrainRecord,
+    eval: list[LossEntry],
     **extra: Any,
-) -> dict[str, Any]:
+) -> Results:
     """Assemble a results.json dict (schema ``SCHEMA_VERSION``) and validate it.
 
     ``extra`` keys (``run_name``, ``model``, ``data``, ``config``...) are stored as given;
@@ -60,7 +61,7 @@ def build_results(
     return results
 
 
-def validate_results(results: Any) -> dict[str, Any]:
+def validate_results(results: Any) -> Results:
     """Check the results.json schema; raise ``ValueError`` naming the first problem found."""
     if not isinstance(results, dict):
         raise ValueError(f"results must be a JSON object, got {type(results).__name__}")
@@ -103,7 +104,7 @@ def _validate_entry(where: str, entry: Any) -> None:
             raise ValueError(f"{where}.{block}.loss_by_position must have {entry['length']} values")
 
 
-def write_results(run_dir: str | os.PathLike, results: dict[str, Any]) -> Path:
+def write_results(run_dir: str | os.PathLike, results: Results) -> Path:
     """Validate and atomically write ``<run_dir>/results.json``; returns its path."""
     validate_results(results)
     path = Path(run_dir) / RESULTS_FILE
@@ -111,7 +112,7 @@ def write_results(run_dir: str | os.PathLike, results: dict[str, Any]) -> Path:
     return path
 
 
-def read_results(path: str | os.PathLike) -> dict[str, Any]:
+def read_results(path: str | os.PathLike) -> Results:
     """Read and validate a results.json (``path`` may be the file or its run directory).
 
     Raises ``OSError`` / ``json.JSONDecodeError`` / ``ValueError`` for missing, corrupt or
@@ -139,7 +140,7 @@ def quarantine(path: str | os.PathLike, why: str, log: Callable[[str], None], co
     return aside
 
 
-def read_results_or_quarantine(run_dir: str | os.PathLike, log: Callable[[str], None]) -> dict[str, Any] | None:
+def read_results_or_quarantine(run_dir: str | os.PathLike, log: Callable[[str], None]) -> Results | None:
     """A run's results.json, or None when it is missing or damaged. A damaged one (not JSON,
     not valid results) is quarantined, so the run's final checkpoint can recompute it."""
     path = Path(run_dir) / RESULTS_FILE

@@ -7,10 +7,9 @@ the trainer's), kept apart so that the trainer's module reads as its stages.
 
 from __future__ import annotations
 
-from typing import Any
-
 from posbench.evaluation.probes import ProbeRun, probe_summaries, run_probes
 from posbench.report.plot import write_run_figures
+from posbench.runs.records import Results, TrainRecord
 from posbench.runs.schema import versions
 from posbench.runtime.distributed import barrier, shutdown
 
@@ -18,10 +17,10 @@ from posbench.runtime.distributed import barrier, shutdown
 class FinalEvaluation:
     """The final-evaluation stage of the :class:`posbench.train.trainer.Trainer`."""
 
-    def final_evaluation(self) -> dict[str, Any]:
+    def final_evaluation(self) -> Results:
         """Rank 0: final validation, evaluation at eval.lengths, results.json, figures, status."""
         t, spec, run_dir = self.t, self.spec, self.run_dir
-        results: dict[str, Any] = {}
+        results: Results = {}  # type: ignore[typeddict-item]  # rank 0 fills it in; the other ranks return it empty
         if self.is_main:
             raw_model, tokens_per_step = self.raw_model, self.tokens_per_step
             val_loss = self.validate(self.total_steps)
@@ -29,7 +28,7 @@ class FinalEvaluation:
             results.update(run_probes(raw_model, self.workload.text, spec.eval,  # eval.probes
                                       ProbeRun.of(spec.eval, t.context, self.device, self.amp_dtype, self.log)))
             train_tokens = self.total_steps * tokens_per_step
-            results["train"] = {
+            train: TrainRecord = {
                 "tokens": train_tokens, "steps": self.total_steps, "final_loss": self.loss_value,
                 "final_val_loss": val_loss,
                 "epochs": train_tokens / max(1, self.batches.steps_per_epoch * tokens_per_step),
@@ -41,6 +40,7 @@ class FinalEvaluation:
                 # The in-training validation subsets (metrics.jsonl keys -> windows; see validation_sets).
                 "validation_windows": {name: int(rows.shape[0]) for name, rows in self.val_sets.items()},
             }
+            results["train"] = train
             results["run_name"] = spec.run_name
             results["method"] = self.train_positions.label  # rope+rand2048 stays apart from rope in tables
             results["model"] = {**spec.model.to_dict(), "parameters": raw_model.num_parameters(),

@@ -11,6 +11,7 @@ from torch import nn
 
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.tasks import task_results, task_summary, validation_batches, validation_metrics
+from posbench.runs.records import EvaluatedRun, Results
 from posbench.tasks.base import EVALUATION_OPTIONS, Task, TaskBatches, answer_share
 
 DATA_OPTIONS_BEFORE = {"shifted_training": False}
@@ -72,7 +73,7 @@ class TaskWorkload:
         return {"task": f"{self.task.name}:{sorted(options.items())}"}
 
     def evaluate(self, model: nn.Module, spec: Any, device: torch.device, amp_dtype: torch.dtype | None,
-                 log: Callable[[str], None]) -> dict[str, Any]:
+                 log: Callable[[str], None]) -> EvaluatedRun:
         """Accuracy on the task's answers by length (results["task"]); no loss curves."""
         return task_results(model, spec, device, amp_dtype, log)
 
@@ -81,10 +82,10 @@ class TaskWorkload:
         return {"dir": None, "meta": {"task": self.task.name, "options": self.options,
                                       "vocab": list(self.task.vocab)}}
 
-    def summary(self, results: dict[str, Any]) -> dict[str, float]:
+    def summary(self, results: Results) -> dict[str, float]:
         return task_summary(results)
 
-    def done_line(self, results: dict[str, Any], context: int) -> str:
+    def done_line(self, results: Results, context: int) -> str:
         return "accuracy by length " + ", ".join(
             f"{k.rsplit('/', 1)[-1]}: {v:.3f}" for k, v in task_summary(results).items())
 

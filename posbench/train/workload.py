@@ -20,6 +20,7 @@ from posbench.data.loader import TrainBatches
 from posbench.data.retrieval import RetrievalConfig, make_inserter
 from posbench.evaluation.loss import evaluate_run, headline, per_position_loss, validation_sets
 from posbench.runs.load import run_data
+from posbench.runs.records import EvaluatedRun, Results
 from posbench.runs.resume import data_identity
 from posbench.train.task_workload import TaskWorkload
 
@@ -60,16 +61,16 @@ class Workload(Protocol):
         """What the training data is, for the resume check."""
 
     def evaluate(self, model: nn.Module, spec: Any, device: torch.device, amp_dtype: torch.dtype | None,
-                 log: Callable[[str], None]) -> dict[str, Any]:
+                 log: Callable[[str], None]) -> EvaluatedRun:
         """The final evaluation: the top part of results.json."""
 
     def record(self) -> dict[str, Any]:
         """results.json's ``data``."""
 
-    def summary(self, results: dict[str, Any]) -> dict[str, float]:
+    def summary(self, results: Results) -> dict[str, float]:
         """Summary values for the logger (W&B)."""
 
-    def done_line(self, results: dict[str, Any], context: int) -> str:
+    def done_line(self, results: Results, context: int) -> str:
         """The run's last log line, after ``done: <results.json>;``."""
 
     @staticmethod
@@ -124,7 +125,7 @@ class TextWorkload:
         return {**data_identity(self.text), "retrieval": shown}
 
     def evaluate(self, model: nn.Module, spec: Any, device: torch.device, amp_dtype: torch.dtype | None,
-                 log: Callable[[str], None]) -> dict[str, Any]:
+                 log: Callable[[str], None]) -> EvaluatedRun:
         return evaluate_run(model, self.text, spec, device, amp_dtype, log)
 
     def record(self) -> dict[str, Any]:
@@ -132,10 +133,10 @@ class TextWorkload:
             return {"dir": str(self.text.dir), "meta": self.text.meta}
         return {"dir": str(self.text.dir), "meta": self.text.meta, "retrieval": self.retrieval.to_dict()}
 
-    def summary(self, results: dict[str, Any]) -> dict[str, float]:
+    def summary(self, results: Results) -> dict[str, float]:
         return {}
 
-    def done_line(self, results: dict[str, Any], context: int) -> str:
+    def done_line(self, results: Results, context: int) -> str:
         band = f"{context}-{2 * context}"
         return f"{band} loss {headline(results, band):.4f}"
 

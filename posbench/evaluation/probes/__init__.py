@@ -22,6 +22,7 @@ from torch import nn
 from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.probes.merge import merge_probe_entries
+from posbench.runs.records import Results
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def run_probes(model: nn.Module, data: Any, evaluation: Any, run: ProbeRun) -> d
     return out
 
 
-def merge_probe_results(results: dict[str, Any], new: dict[str, list[dict[str, Any]]], replace: bool,
+def merge_probe_results(results: Results, new: dict[str, list[dict[str, Any]]], replace: bool,
                         log: Callable[[str], Any], recorded: dict[str, Any] | None) -> None:
     """Merge :func:`run_probes`' ``new`` entries into ``results`` (a run's results.json), probe by probe."""
     for probe in PROBES.values():
@@ -160,7 +161,7 @@ def merge_probe_results(results: dict[str, Any], new: dict[str, list[dict[str, A
                                                      replace, log, recorded)
 
 
-def probe_summaries(results: dict[str, Any]) -> dict[str, float]:
+def probe_summaries(results: Results) -> dict[str, float]:
     """Every registered probe's :meth:`Probe.summary` of its entries in ``results``."""
     out: dict[str, float] = {}
     for probe in PROBES.values():
