@@ -48,6 +48,13 @@ def compose_config(name: str, overrides: list[str]):
         return compose(config_name=name, overrides=overrides)
 
 
+# A task run in seconds (trainer.context 32): tests/unit/tasks, tests/integration/test_task_runs.py.
+QUICK_TASK = ["logger=none", "trainer.context=32", "trainer.max_steps=4", "trainer.batch_size=8", "trainer.log_every=2",
+              "trainer.val_every=2", "trainer.val_sequences=8", "trainer.val_extrapolation_sequences=4",
+              "trainer.warmup_steps=1", "trainer.precision=fp32", "eval.lengths=[32,64,128]", "eval.num_sequences=8",
+              "eval.batch_size=8"]
+
+
 def posbench_cli(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = True,
                  timeout: int = 600) -> subprocess.CompletedProcess:
     """``posbench <args>`` in a subprocess, as a user runs it. With ``check`` a non-zero exit fails

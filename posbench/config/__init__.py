@@ -89,13 +89,19 @@ def load_group_option(group: str, name: str) -> dict[str, Any]:
 
 def check_top_level_keys(cfg: Any, command: str) -> None:
     """Refuse top-level keys that ``configs/<command>.yaml`` neither sets nor composes from a
-    group (``+optimizer=adam`` would otherwise be ignored silently), and non-boolean values
-    of its boolean keys (``debug=maybe``). Derived from the file, so a key added there is known."""
+    group or from the command's settings class (``+optimizer=adam`` would otherwise be ignored
+    silently), and non-boolean values of its boolean keys (``debug=maybe``). Derived from the file
+    and the class, so a key added there is known."""
     from omegaconf import OmegaConf
 
     primary = OmegaConf.to_container(OmegaConf.load(config_dir() / f"{command}.yaml"))
     known = (set(primary) | set(composed_groups(command))) - {"defaults", "hydra"}
     known = {k for k in known if not k.startswith("override ")}
+    settings = settings_groups().get(command)  # a command whose own keys are a settings class (bench, viz)
+    if settings is not None:
+        from dataclasses import fields
+
+        known |= {f.name for f in fields(settings)}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise PosbenchError(

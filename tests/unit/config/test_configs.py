@@ -30,6 +30,15 @@ def test_primary_configs_compose(name):
     assert OmegaConf.to_container(cfg, resolve=True)
 
 
+@pytest.mark.parametrize("name", PRIMARY)
+def test_every_composed_key_is_known_to_its_command(name):
+    """viz's settings, composed from its settings class, were refused as unknown keys by the
+    command's own check, so `posbench viz` failed on every call."""
+    from posbench.config import check_top_level_keys
+
+    check_top_level_keys(compose_config(name, []), name)
+
+
 @pytest.mark.parametrize("group, option", [(g, n) for g in TRAIN_GROUPS for n in config_names(g)])
 def test_every_group_option_composes_into_a_valid_spec(group, option):
     overrides = [f"{group}={option}"]
