@@ -48,7 +48,7 @@ def test_unknown_method_fails_before_any_work(tmp_path):
         (["train", "method=alibi", "method.base=500"],
          "method=alibi has no option 'base'; its options: name; method.base is an option of method="),
         (["train", "task=copy", "task.num_symbol=8"], "did you mean task.num_symbols?"),
-        (["train", "task.num_symbols=8"], "no task is chosen; add task=<name> (the options with task.num_symbols: copy)"),
+        (["train", "task.num_symbols=8"], "no task is chosen; add task=<name> (the options with task.num_symbols: copy, lookup)"),
         (["train", "trainer.lrr=1"], "trainer has no key 'lrr'; did you mean trainer.lr?"),
         (["train", "seed=0,1"], "seed=0,1 lists several values, which only a sweep runs; add -m"),
         (["train", "-m", "task=flipflop,copy", "task.num_symbols=8"],
