@@ -67,7 +67,7 @@ class ModelConfig:
     layout: str = "sequence"
     """``sequence``: the causal language model. ``grid``: the bidirectional grid encoder (every
     token sees every token; a token's position is its cell (row, col) of a square grid, read
-    by the grid methods). Set by the trainer from the task (a grid task: docs/grid.md)."""
+    by the grid methods). Set by the run spec from the task (a grid task: docs/grid.md)."""
 
     def __post_init__(self) -> None:
         self.validate()

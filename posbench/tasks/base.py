@@ -111,7 +111,7 @@ class Task:
     name: str = ""
     layout: str = "sequence"
     """The model the task is read by: ``sequence`` (the causal language model) or ``grid`` (the
-    bidirectional grid encoder, :mod:`posbench.tasks.grid`); the trainer sets ``model.layout`` from it."""
+    bidirectional grid encoder, :mod:`posbench.tasks.grid`); the run spec sets ``model.layout`` from it."""
     vocab: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ("accuracy",)
     TESTS: tuple[str, ...] = (STANDARD,)

@@ -1,7 +1,7 @@
 """Grid tasks: a square grid of cells read by the bidirectional grid encoder (docs/grid.md).
 
 A grid task's sequence is its grid in row-major order (``length`` = side**2 cells) and the model
-is the grid encoder (``model.layout=grid``, set by the trainer from :attr:`GridTask.layout`):
+is the grid encoder (``model.layout=grid``, set by the run spec from :attr:`GridTask.layout`):
 every cell sees every cell, and a cell's position is its (row, col). Answers are labels of cells
 (``Batch.labels``), never the next input. Trained at one side (``trainer.context`` = side**2,
 e.g. 64 for 8 x 8) and tested at 2x and 4x per side (``eval.lengths: [64, 256, 1024]``).
@@ -17,6 +17,7 @@ This module holds the shared :class:`GridTask` and ``life``; ``lookup`` and ``sa
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -26,11 +27,7 @@ from posbench.tasks.base import Batch, Task, register_task
 
 def square_side(length: int, what: str) -> int:
     """The side of a square grid of ``length`` cells, or one line naming the fix."""
-    side = int(np.sqrt(length))
-    while side * side > length:
-        side -= 1
-    while (side + 1) * (side + 1) <= length:
-        side += 1
+    side = math.isqrt(length)
     if side * side != length:
         near = ", ".join(str(s * s) for s in (side, side + 1) if s > 0)
         raise PosbenchError(f"{what}={length} is not a square grid; grid lengths are side**2 (e.g. {near})")

@@ -36,11 +36,6 @@ class TaskWorkload:
     def vocab_size(self) -> int:
         return self.task.vocab_size
 
-    @property
-    def layout(self) -> str:
-        """``grid`` for a grid task (the bidirectional grid encoder), else ``sequence``."""
-        return self.task.layout
-
     def train_batches(self, t: Any, seed: int, rank: int, world_size: int, device: torch.device) -> TaskBatches:
         """Generated afresh each step, a pure function of (task seed, run seed, step)."""
         return TaskBatches(self.task, t.batch_size, seed, rank=rank, world_size=world_size, device=device)

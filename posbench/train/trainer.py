@@ -184,8 +184,7 @@ class Trainer(Checkpoints, FinalEvaluation):
         # that cannot fit is refused at once, counting a one-token vocabulary (the real one is not known yet).
         check_memory_fits(replace(spec, model=replace(spec.model, vocab_size=1)), self.micro, self.device)
         self.workload: Workload = make_workload(spec, self.log)  # text (a token cache) or a task's generator
-        self.spec = spec = replace(spec, model=replace(spec.model, vocab_size=self.workload.vocab_size,
-                                                       layout=self.workload.layout))  # a grid task: the grid encoder
+        self.spec = spec = replace(spec, model=replace(spec.model, vocab_size=self.workload.vocab_size))
         check_memory_fits(spec, self.micro, self.device)  # again, with the vocabulary's embedding and logits
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
         self.raw_model.loss_chunk = t.loss_chunk  # how the loss is computed, not what (trainer.loss_chunk)

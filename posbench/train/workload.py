@@ -39,10 +39,6 @@ class Workload(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    @property
-    def layout(self) -> str:
-        """The model's layout (``model.layout``): ``sequence``, or ``grid`` for a grid task."""
-
     def train_batches(self, t: Any, seed: int, rank: int, world_size: int, device: torch.device) -> Any:
         """``get(step) -> (x, y)`` on the device and ``steps_per_epoch``."""
 
@@ -90,8 +86,6 @@ class TextWorkload:
         self.text = prepared
         self.data_dir = str(prepared.dir)
         self.retrieval = retrieval or RetrievalConfig()  # data.retrieval: inserted into training windows only
-
-    layout = "sequence"
 
     @property
     def vocab_size(self) -> int:
