@@ -34,6 +34,10 @@ EPS = 1e-2  # the paper's lower bound on r1, r2
 @register
 class Kerple(PositionMethod):
     name = "kerple"
+    enters = "score"
+    source = "Chi et al. 2022"
+    past_context = "the learned log (or power) kernel keeps decaying with distance, with its learned shape"
+    backend_note = "flex's backward: 5 % of rope, docs/benchmarks.md"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
 
