@@ -4,8 +4,7 @@ NoPE still infers position: under a causal mask, how much a query can attend to 
 the variance of its attention average) depends on its index, and models learn to read absolute
 position from that (Haviv et al.; Kazemnejad et al. show it can represent both absolute and
 relative positions). That inferred signal is itself out of distribution past the training
-context, so NoPE is not free of extrapolation cost: posbench's cpu_quick run shows +0.21 nats from
-band 0-256 to band 256-512.
+context, so NoPE is not free of extrapolation cost (``NoPE.past_context`` gives the measured rise).
 
 Haviv et al. 2022, "Transformer Language Models without Positional Encodings Still Learn
 Positional Information"; Kazemnejad et al. 2023, "The Impact of Positional Encoding on Length
