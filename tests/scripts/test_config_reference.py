@@ -4,7 +4,6 @@ give (scripts/config_reference.py): each key's default and meaning are written o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from helpers import assert_page_is_generated, compose_config, load_script
@@ -13,7 +12,6 @@ from omegaconf import OmegaConf
 from posbench.config import composed_groups, settings_groups
 from posbench.core.errors import PosbenchError
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "config_reference.py"
 ref = load_script("config_reference")
 
 

@@ -3,15 +3,12 @@ where a method enters, its reference and what happens past C are written once, i
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from helpers import assert_page_is_generated, load_script
 
 from posbench.core.errors import PosbenchError
 from posbench.methods import PositionMethod, list_methods, register, unregister
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "methods_overview.py"
 ref = load_script("methods_overview")
 
 
