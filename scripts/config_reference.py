@@ -19,7 +19,7 @@ import sys
 import textwrap
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Iterator, get_type_hints
+from typing import Any, Callable, Iterator, get_type_hints
 
 from posbench.commands.cli import run_script
 from posbench.config import composed_groups, settings_groups
@@ -89,33 +89,42 @@ def marks(group: str) -> tuple[str, str]:
     return f"<!-- config-reference: {group} -->", f"<!-- config-reference: {group} end -->"
 
 
+def replace_region(page: str, begin: str, end: str, body: str, name: str) -> str:
+    """``page`` with the text between its one ``begin`` and ``end`` marks replaced by ``body``."""
+    if page.count(begin) != 1 or page.count(end) != 1:
+        raise PosbenchError(f"{name} needs one '{begin}' ... '{end}' region")
+    head, rest = page.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
 def render(page: str) -> str:
     """``page`` with every settings group's region replaced by the table its dataclass gives."""
     for group, cls in settings_groups().items():
-        begin, end = marks(group)
-        if page.count(begin) != 1 or page.count(end) != 1:
-            raise PosbenchError(f"{PAGE.name} needs one '{begin}' ... '{end}' region for group {group}")
-        head, rest = page.split(begin)
-        _, tail = rest.split(end)
-        page = f"{head}{begin}\n{table(group, cls)}\n{end}{tail}"
+        page = replace_region(page, *marks(group), table(group, cls), f"{PAGE.name} (group {group})")
     return page
 
 
-def main(argv: list[str]) -> int:
+def write_or_check(path: Path, render: Callable[[str], str], argv: list[str], script: str, source: str) -> int:
+    """Rewrite the generated regions of ``path`` (no argument), or, with ``--check``, exit 1 when
+    the page differs from what ``render`` gives from ``source``."""
     if argv not in ([], ["--check"]):
-        raise PosbenchError("usage: python scripts/config_reference.py [--check]")
-    page = PAGE.read_text()
+        raise PosbenchError(f"usage: python scripts/{script} [--check]")
+    page = path.read_text()
     generated = render(page)
     if argv == ["--check"]:
         if generated != page:
-            print(f"{PAGE} differs from the settings dataclasses; run python scripts/config_reference.py",
-                  file=sys.stderr)
+            print(f"{path} differs from {source}; run python scripts/{script}", file=sys.stderr)
             return 1
         return 0
     if generated != page:
-        write_text_atomic(PAGE, generated)
-        print(f"wrote {PAGE}")
+        write_text_atomic(path, generated)
+        print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return write_or_check(PAGE, render, argv, "config_reference.py", "the settings dataclasses")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from model_checks import assert_matches_reference
 
 from posbench.methods import ModelDims, build_method, cell_index_grid, grid_positions
 from posbench.model.transformer import ModelConfig, build_model
@@ -26,9 +27,16 @@ def grid_model(name: str, attention: str = "eager", options: dict | None = None,
     return model, tokens
 
 
+def method_label(name: str, options: dict | None) -> str:
+    """``name (option=value, ...)``, a row label of the reference table (scripts/reference_table.py)."""
+    text = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (options or {}).items())
+    return f"{name} ({text})" if text else name
+
+
 def assert_backends_agree(name: str, options: dict | None = None, side: int = 5, heads: int = 2) -> None:
     """eager, sdpa and flex compute the same logits (forward only: FlexAttention has no CPU
-    backward), with the grid's own cells and with per-row cells (B, T, 2)."""
+    backward), with the grid's own cells and with per-row cells (B, T, 2); the differences are
+    logged for scripts/reference_table.py (``assert_matches_reference``)."""
     out = {}
     for backend in ("eager", "sdpa", "flex"):
         model, tokens = grid_model(name, backend, options, side, heads)
@@ -38,7 +46,9 @@ def assert_backends_agree(name: str, options: dict | None = None, side: int = 5,
             out[backend] = (model(tokens), model(tokens, per_row))
     for backend in ("sdpa", "flex"):
         for got, want in zip(out[backend], out["eager"]):
-            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+            assert_matches_reference(got, want, method=method_label(name, options),
+                                     reference=f"{backend} = eager backend's logits (grid and per-row cells)",
+                                     atol=2e-5, rtol=2e-5)
     assert not torch.allclose(out["eager"][0], out["eager"][1], atol=1e-4)  # the cells are read
 
 

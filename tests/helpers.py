@@ -109,3 +109,16 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assert_page_is_generated(name: str, edit: tuple[str, str]) -> None:
+    """The page ``scripts/<name>.py`` generates is committed as the script renders it (and its
+    ``--check`` exits 0), and a hand edit ``edit`` = (old, new) of a generated table is undone."""
+    script = load_script(name)
+    page = script.PAGE.read_text()
+    assert script.render(page) == page, f"{script.PAGE.name} is stale: run python scripts/{name}.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    proc = subprocess.run([sys.executable, str(path), "--check"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    edited = page.replace(*edit)
+    assert edited != page and script.render(edited) == page

@@ -24,6 +24,9 @@ from posbench.methods.base import ModelDims, PositionMethod, check_table_range
 @register
 class AbsAttention(PositionMethod):
     name = "abs_attention"
+    enters = "q-k (k_j += R_pos(j), i.e. score += q_i . R_j)"
+    source = "Adaloglou 2021 (seed 000)"
+    past_context = "as ``learned``: rows past C stay at their init; positions >= ``max_positions`` (4096) are an error"
 
     def __init__(self, dims: ModelDims, *, max_positions: int = 4096, init_std: float = 0.02) -> None:
         super().__init__(dims)

@@ -32,6 +32,9 @@ def alibi_slopes(n_heads: int) -> list[float]:
 @register
 class ALiBi(PositionMethod):
     name = "alibi"
+    enters = "score"
+    source = "Press et al. 2022"
+    past_context = "the fixed penalty -m_h (i - j) keeps growing linearly with distance"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
 

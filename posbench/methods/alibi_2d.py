@@ -33,6 +33,9 @@ def cell_distance(dy: Tensor, dx: Tensor, kind: str) -> Tensor:
 @register
 class ALiBi2D(PositionMethod):
     name = "alibi_2d"
+    enters = "score (-m_h dist(i, j), ALiBi's fixed slopes)"
+    source = "Press et al. 2022; CROMA (Fuller et al. 2023)"
+    past_context = "the fixed penalty keeps growing linearly with the distance between cells"
     layouts = ("grid",)
     relative_scores = True  # logits depend on the cells only through (dy, dx)
     has_score_term = True

@@ -33,6 +33,12 @@ def rotate_pairs(x: Tensor, angles: Tensor) -> Tensor:
 @register
 class AxialRoPE(Rotary, PositionMethod):
     name = "axial_rope"
+    enters = "q-k (pairs i < D/4 turn with the column x, the others with the row y)"
+    source = "Heo et al. 2024 (RoPE-Axial)"
+    past_context = (
+        "angles computed for any cell; scores depend only on the offset (dy, dx), but offsets past the training grid's "
+        "were never seen"
+    )
     layouts = ("grid",)
     relative_scores = True  # logits depend on the cells only through (dy, dx)
 

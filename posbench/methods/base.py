@@ -167,6 +167,17 @@ class PositionMethod(nn.Module):
     """Where the method runs: ``sequence`` (the causal language model; positions (T,) or (B, T)),
     ``grid`` (the bidirectional grid encoder; positions (T, 2) or (B, T, 2), (row, col) per token,
     see :func:`grid_positions`), or both (nope). A model refuses a method not made for its layout."""
+    enters: ClassVar[str] = ""
+    """Where the method enters the model (input, q-k, score, normaliser, per layer), short."""
+    source: ClassVar[str] = ""
+    """The paper (authors and year) or code the method follows."""
+    past_context: ClassVar[str] = ""
+    """What happens past the training context C (past the training grid for a grid method). These
+    three are the one place the facts are written: ``scripts/methods_overview.py`` renders them
+    into docs/methods-overview.md (``docs/<page>.md`` becomes a link there)."""
+    backend_note: ClassVar[str] = ""
+    """A note beside the backends ``model.attention=auto`` picks on the CPU and on CUDA, which the
+    overview computes (:func:`posbench.model.attention.resolve_backend`)."""
     has_score_term: ClassVar[bool] = False
     uses_positions: ClassVar[bool] = True
     relative_scores: ClassVar[bool] = False

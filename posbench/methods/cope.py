@@ -25,6 +25,12 @@ from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, needs
 @register
 class CoPE(PositionMethod):
     name = "cope"
+    enters = "score (content dependent: gates sigmoid(q.k) count positions)"
+    source = "Golovneva et al. 2024"
+    past_context = (
+        "contextual positions are clamped at ``npos_max`` - 1; new only if counts past C exceed what training saw"
+    )
+    backend_note = "dense gates; flex refuses it"
     has_score_term = True
     uses_positions = False
 

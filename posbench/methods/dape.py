@@ -35,6 +35,12 @@ from posbench.methods.base import ModelDims, OverBase, ScoreFn, dense_score, nee
 @register
 class DAPE(OverBase):
     name = "dape"
+    enters = "score (a per-layer MLP over [logits, base bias] across heads, on top of ``method.base``, default alibi)"
+    source = "Zheng et al. 2024"
+    past_context = (
+        "the base's bias past C, adapted by the content; ~3.6x rope's CPU training step in sdpa (docs/methods.md#dape)"
+    )
+    backend_note = "dense fp32; SDPA would round it to bf16"
     has_score_term = True
 
     def __init__(self, dims: ModelDims, *, base: str = "alibi", mlp_width: int = 32) -> None:

@@ -42,6 +42,13 @@ from posbench.methods.base import (
 @register
 class FIRE(PositionMethod):
     name = "fire"
+    enters = "score"
+    source = "Li et al. 2024"
+    past_context = (
+        "the MLP's input psi(i-j)/psi(max(L, i)) stays in [0, 1], but for i > L a fixed distance maps to smaller "
+        "inputs as i grows"
+    )
+    backend_note = "flex's backward cannot train its MLP, docs/gpu.md"
     has_score_term = True
     options_before = {"fast": False}  # runs from before the fast path computed the loop
 

@@ -31,6 +31,11 @@ from posbench.methods.base import ModelDims, PositionMethod, ScoreFn, needs
 @register
 class FoX(PositionMethod):
     name = "fox"
+    enters = "score (content dependent: forget gate from the layer input)"
+    source = "Lin et al. 2025"
+    past_context = (
+        "no position signal at all; decay is decided by the content, so nothing is out of range by construction"
+    )
     has_score_term = True
     uses_positions = False
     options_before = {"fast": False}  # runs from before the fast path folded the gate into keys

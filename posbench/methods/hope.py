@@ -35,6 +35,12 @@ DEFAULT_CONTEXT = 256  # trainer.context's default, for a hope built outside a r
 class HoPE(RoPE):
     llama_equivalent = False
     name = "hope"
+    enters = "q-k"
+    source = "Chen et al. 2024 (HoPE)"
+    past_context = (
+        "RoPE on the pairs that turn a full rotation within C (13 of 32 at d_head 64); no rotation is new past C, the "
+        "rest carry no position (docs/methods.md#hope)"
+    )
 
     context_option = "train_context"  # a run fills it with trainer.context
     options_before = {"train_context": 256}  # its default before it followed trainer.context

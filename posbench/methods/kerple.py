@@ -9,17 +9,9 @@ with learnable positive r1, r2 per head and per layer:
 
 At init r1 ~ U(0, 2) and r2 ~ U(0, 1) for both variants, and the parameters are projected back
 into their range (r >= 0.01, power r2 <= 2) in place before each use, as in the paper's code
-(github.com/chijames/KERPLE, ``megatron/mpu/layers.py``). Two departures from that code
-(docs/departures.md):
-
-- The power variant's init: ``ParallelKerplePower`` draws the scale (posbench's r1) from U(0, 1)
-  and the exponent (r2) from U(0, 2); posbench uses the log variant's ranges, which match
-  ``ParallelKerpleLog`` (scale U(0, 2), the factor inside the log U(0, 1)).
-- Per layer: the paper's code builds one kernel module and passes it to every layer, so its
-  r1, r2 are per head and shared across layers; posbench learns them per layer and head.
-
-The bias depends only on d, so any length works; at d past the training context it keeps its
-learned shape (log and power kernels keep decaying).
+(github.com/chijames/KERPLE, ``megatron/mpu/layers.py``), with two departures from that code (the
+power variant's init, and r1, r2 per layer rather than shared by the layers):
+docs/departures.md#departures-from-the-papers. The bias depends only on d, so any length works.
 """
 
 import torch
@@ -34,6 +26,10 @@ EPS = 1e-2  # the paper's lower bound on r1, r2
 @register
 class Kerple(PositionMethod):
     name = "kerple"
+    enters = "score"
+    source = "Chi et al. 2022"
+    past_context = "the learned log (or power) kernel keeps decaying with distance, with its learned shape"
+    backend_note = "flex's backward: 5 % of rope, docs/benchmarks.md"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
 

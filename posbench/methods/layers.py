@@ -87,6 +87,13 @@ class Layers(PositionMethod):
     """A per-layer schedule of position methods (module docstring)."""
 
     name = "layers"
+    enters = "per layer: a pattern of (method, options, window) repeated over the depth"
+    source = "Yang et al. 2025 (RNoPE-SWA)"
+    past_context = (
+        "each layer's method's; a windowed layer never sees a distance past its window W "
+        "(docs/methods.md#per-layer-schedules-layers-swan)"
+    )
+    backend_note = "per layer: on CUDA a windowed layer runs in flex, the others in sdpa"
 
     def __init__(self, dims: ModelDims, *, pattern: list = ["rope", "nope"]) -> None:  # noqa: B006 (never mutated)
         super().__init__(dims)
@@ -182,6 +189,12 @@ class Swan(Layers):
     why 128 at C = 256)."""
 
     name = "swan"
+    enters = "per layer: 1 global NoPE : 3 RoPE layers windowed at 128"
+    source = "Puvvada et al. 2025 (SWAN-GPT)"
+    past_context = (
+        "the windowed RoPE layers never see a distance past W; only the global NoPE layers reach far keys "
+        "(docs/methods.md#per-layer-schedules-layers-swan)"
+    )
 
     def __init__(self, dims: ModelDims, *, window: int = 128) -> None:
         super().__init__(dims, pattern=[{"method": "nope"}] + [{"method": "rope", "window": window}] * 3)

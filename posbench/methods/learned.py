@@ -17,6 +17,12 @@ from posbench.methods.base import InputTable, ModelDims, PositionMethod, check_t
 @register
 class Learned(InputTable, PositionMethod):
     name = "learned"
+    enters = "input"
+    source = "GPT-2 / BERT"
+    past_context = (
+        "rows >= the training context never get a gradient and stay at their random init; positions >= "
+        "``method.max_positions`` (4096) are an error"
+    )
     table_note = "rows past C get no gradient in training: they stay random"
 
     def __init__(self, dims: ModelDims, *, max_positions: int = 4096, init_std: float = 0.02) -> None:

@@ -54,6 +54,13 @@ def check_cells(positions: Tensor, side: int, what: str) -> None:
 @register
 class Learned2D(PositionMethod):
     name = "learned_2d"
+    enters = "input (a learned vector per cell)"
+    source = "ViT (Dosovitskiy et al. 2021); DeiT's resize"
+    past_context = (
+        "``interpolate=true``: the trained block resized bicubically to the new side; ``false``: cells outside the "
+        "training square keep their random init, and a side past ``max_side`` (32) is an error "
+        "(docs/grid.md#absolute-methods)"
+    )
     layouts = ("grid",)
     context_option = "train_context"  # a run fills it with trainer.context
 

@@ -36,6 +36,12 @@ FIELDS_OF_VIEW = {
 @register
 class LookHere(PositionMethod):
     name = "lookhere"
+    enters = "score (-inf outside head h's field of view, else a penalty linear in the distance)"
+    source = "Fuller et al. 2024 (LookHere)"
+    past_context = (
+        "fixed directed masks and a penalty growing linearly with the distance between cells; no learned parameters, "
+        "so nothing is untrained past the training grid"
+    )
     layouts = ("grid",)
     relative_scores = True  # logits depend on the cells only through (dy, dx)
     has_score_term = True

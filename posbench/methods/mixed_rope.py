@@ -44,6 +44,12 @@ def random_2d_freqs(head_dim: int, n_heads: int, n_layers: int, base: float, rot
 @register
 class MixedRoPE(PositionMethod):
     name = "mixed_rope"
+    enters = "q-k (pair i turns by x fx_i + y fy_i, fx and fy learned per layer and head)"
+    source = "Heo et al. 2024 (RoPE-Mixed)"
+    past_context = (
+        "as ``axial_rope``: scores depend only on the offset, offsets past the training grid's are new, along learned "
+        "directions; the 1D extension rules are refused"
+    )
     layouts = ("grid",)
     relative_scores = True  # the angle is linear in (x, y): logits depend on the cells only through (dy, dx)
 

@@ -21,6 +21,12 @@ from posbench.methods.rope import RoPE
 class PRoPE(RoPE):
     llama_equivalent = False
     name = "p_rope"
+    enters = "q-k"
+    source = "Barbero et al. 2025"
+    past_context = (
+        "RoPE on the highest-frequency p (0.75) of channel pairs; the lowest frequencies, whose angles leave the "
+        "trained range first, carry no position"
+    )
 
     def __init__(self, dims: ModelDims, *, base: float = 10000.0, interleaved: bool = False, p: float = 0.75) -> None:
         super().__init__(dims, base=base, interleaved=interleaved)

@@ -89,6 +89,13 @@ def householder_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, chunk: int
 @register
 class PaTH(PositionMethod):
     name = "path"
+    enters = "score (content dependent: q_i^T H_i ... H_{j+1} k_j, H_t = I - beta_t w_t w_t^T from the layer input)"
+    source = "Yang et al. 2025"
+    past_context = (
+        "no position ids: order enters only through the product of per-token transforms; ~1.8x rope's CPU training "
+        "step (docs/methods.md#path)"
+    )
+    backend_note = "dense; flex refuses it"
     has_score_term = True
     uses_positions = False
 

@@ -40,6 +40,9 @@ from posbench.methods.base import ModelDims, PositionMethod, Rotary
 @register
 class PoPE(Rotary, PositionMethod):
     name = "pope"
+    enters = "q-k (polar: magnitude softplus(q), phase n θ)"
+    source = "Gopalakrishnan et al. 2025 (PoPE)"
+    past_context = "phases as RoPE's (new angles past C), magnitudes carry content only (docs/methods.md#pope)"
     relative_scores = True  # q'.k' = sum mu_q mu_k cos((n - m) theta - delta)
 
     def __init__(self, dims: ModelDims, *, base: float = 10000.0, bias_uniform_init: bool = False) -> None:

@@ -43,6 +43,12 @@ from posbench.methods.base import (
 @register
 class ShawRelative(PositionMethod):
     name = "relative"
+    enters = "score (q_i . a^K_(i-j)) and values (a^V_(i-j))"
+    source = "Shaw et al. 2018"
+    past_context = (
+        "distances > ``max_distance`` (16) share the k-th vectors, which training already fills: no new distance"
+    )
+    backend_note = "the value term needs the probabilities; ``value_term=false``: sdpa / flex"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
     options_before = {"fast": False}  # runs from before the fast path gathered the tables

@@ -43,6 +43,12 @@ from posbench.methods.base import DenseScore, ModelDims, PositionMethod, ScoreFn
 @register
 class Relative2D(PositionMethod):
     name = "relative_2d"
+    enters = "score (q_i . (r_row[clip(dy)] + r_col[clip(dx)]) / sqrt(d_head))"
+    source = "Shaw et al. 2018 in 2D, Bello et al. 2019's sum form"
+    past_context = (
+        "offsets past ``max_offset`` (7) share the outermost vectors, which the 8 x 8 training grid fills: no new "
+        "offset"
+    )
     layouts = ("grid",)
     relative_scores = True  # logits depend on the cells only through (dy, dx)
     has_score_term = True

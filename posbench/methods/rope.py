@@ -43,6 +43,9 @@ def rotate_interleaved(x: Tensor) -> Tensor:
 @register
 class RoPE(Rotary, PositionMethod):
     name = "rope"
+    enters = "q-k"
+    source = "Su et al. 2021 (RoFormer); Llama"
+    past_context = "angles computed for any position; scores depend only on i - j, but distances >= C were never seen"
     relative_scores = True  # logits depend on positions only through i - j
     llama_equivalent = True  # with default options, the model is transformers' LlamaForCausalLM
 

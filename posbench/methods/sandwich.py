@@ -34,6 +34,12 @@ from posbench.methods.base import (
 @register
 class Sandwich(PositionMethod):
     name = "sandwich"
+    enters = "score"
+    source = "Chi et al. 2023"
+    past_context = (
+        "parameter-free; the bias oscillates around -d'/2 (scaled per head) past the first few hundred positions "
+        "rather than growing"
+    )
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
     options_before = {"fast": False}  # runs from before the fast path summed the cosines

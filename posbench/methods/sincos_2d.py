@@ -25,6 +25,9 @@ from posbench.methods.base import ModelDims, PositionMethod
 @register
 class SinCos2D(PositionMethod):
     name = "sincos_2d"
+    enters = "input (2D sin-cos: half the channels the column, half the row)"
+    source = "He et al. 2022 (MAE)"
+    past_context = "a formula of the cell: any grid side works; the model meets cells it never saw"
     layouts = ("grid",)
 
     def __init__(self, dims: ModelDims, *, base: float = 10000.0, scale: float = 0.02) -> None:

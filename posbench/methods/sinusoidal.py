@@ -21,6 +21,9 @@ from posbench.methods.base import InputTable, ModelDims, PositionMethod
 @register
 class Sinusoidal(InputTable, PositionMethod):
     name = "sinusoidal"
+    enters = "input"
+    source = "Vaswani et al. 2017"
+    past_context = "computed for any position; the model meets absolute positions it never saw"
 
     def __init__(self, dims: ModelDims, *, base: float = 10000.0, scale: float = 0.02) -> None:
         super().__init__(dims)

@@ -40,6 +40,12 @@ from posbench.methods.base import ModelDims, OverBase, ScoreFn
 @register
 class SSMax(OverBase):
     name = "ssmax"
+    enters = "logits of query i x s_lh log(i + 1), s learned, over ``method.base`` (default rope)"
+    source = "Nakanishi 2025"
+    past_context = (
+        "the logit scale keeps growing with the number of keys, sharpening attention past C (docs/methods.md#ssmax)"
+    )
+    backend_note = "the base's; rope's by default"
 
     def __init__(self, dims: ModelDims, *, base: str = "rope", s_init: float = 0.168) -> None:
         super().__init__(dims)

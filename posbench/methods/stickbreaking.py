@@ -58,6 +58,12 @@ def stick_breaking(logits: Tensor, attend_current: bool = False, remainder: str 
 @register
 class StickBreaking(PositionMethod):
     name = "stickbreaking"
+    enters = "normaliser (replaces the softmax)"
+    source = "Tan et al. 2025"
+    past_context = (
+        "no position signal: weights sigmoid(z_ij) prod_(j<l<i) (1 - sigmoid(z_il)) favour near keys by construction"
+    )
+    backend_note = "why: docs/methods.md#stick-breaking-attention-stickbreaking"
     uses_positions = False
 
     def __init__(self, dims: ModelDims, *, attend_current: bool = False, remainder: str = "value") -> None:

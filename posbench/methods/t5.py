@@ -56,6 +56,13 @@ def causal_bucket(distance: Tensor, num_buckets: int = 32, max_distance: int = 1
 @register
 class T5Bias(PositionMethod):
     name = "t5"
+    enters = "score"
+    source = "Raffel et al. 2020"
+    past_context = (
+        "distances >= 113 share the last bucket (with the defaults), which training at C = 256 already fills: no new "
+        "distance"
+    )
+    backend_note = "flex fails or crawls on an H100, docs/benchmarks.md"
     relative_scores = True  # logits depend on positions only through i - j
     has_score_term = True
     options_before = {"bias_scale": 1.0, "fast": False}  # bias_scale: runs from before the option trained the unscaled bias

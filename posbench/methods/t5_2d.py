@@ -44,6 +44,12 @@ def bidirectional_bucket(relative: Tensor, num_buckets: int, max_distance: int) 
 @register
 class T5Bias2D(PositionMethod):
     name = "t5_2d"
+    enters = "score (a learned bias per (row bucket, column bucket, head))"
+    source = "Raffel et al. 2020's buckets per axis"
+    past_context = (
+        "with the defaults offsets of 7 or more share the last bucket, which the 8 x 8 training grid fills: no new "
+        "offset"
+    )
     layouts = ("grid",)
     relative_scores = True  # logits depend on the cells only through (dy, dx)
     has_score_term = True

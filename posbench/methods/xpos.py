@@ -26,6 +26,9 @@ from posbench.methods.rope import RoPE
 class XPos(RoPE):
     llama_equivalent = False
     name = "xpos"
+    enters = "q-k"
+    source = "Sun et al. 2023"
+    past_context = "RoPE plus a decay zeta^((i-j)/512) that keeps shrinking far keys with distance"
 
     def __init__(
         self, dims: ModelDims, *, base: float = 10000.0, interleaved: bool = False,

@@ -23,15 +23,17 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 GROUP_HEADING = re.compile(r"^\*\*`([a-z_]+)`\*\*")
 NAME = re.compile(r"`([A-Za-z_][A-Za-z0-9_.]*)`")
 OPTION = re.compile(r"`([A-Za-z_][A-Za-z0-9_.]*)`(?= \(|, `| and `| as )")  # `base` (10000.0), `base`, `interleaved` as rope
+DEFAULT = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)` \((\[[^]]*\]|[^):;,= ]+)")  # `base` (10000.0): ..., `pattern` ([rope, nope])
 
 
 def cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def documented_keys() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """([(group, key)] of the key tables, [(method, option path)] of the method table)."""
-    group_keys, method_keys = [], []
+def documented_keys() -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str, str]]]:
+    """([(group, key)] of the key tables, [(method, option path)] of the method tables, [(method,
+    option, default as written)] of the options the method tables give a default)."""
+    group_keys, method_keys, method_defaults = [], [], []
     for doc in DOCS:
         group, header = None, None
         for line in doc.read_text().splitlines():
@@ -50,12 +52,13 @@ def documented_keys() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
                 first, options = cells(line)[:2]
                 methods = NAME.findall(first) or ["rope"]  # "any": top-level keys, any method
                 method_keys += [(m, o if "." in o else f"method.{o}") for m in methods for o in OPTION.findall(options)]
+                method_defaults += [(m, o, d) for m in methods if NAME.findall(first) for o, d in DEFAULT.findall(options)]
             elif header == "key":
                 group_keys += [(group, key) for key in NAME.findall(cells(line)[0])]
-    return sorted(set(group_keys)), sorted(set(method_keys))
+    return sorted(set(group_keys)), sorted(set(method_keys)), sorted(set(method_defaults))
 
 
-GROUP_KEYS, METHOD_KEYS = documented_keys()
+GROUP_KEYS, METHOD_KEYS, METHOD_DEFAULTS = documented_keys()
 
 
 def test_the_reference_is_found():
@@ -98,6 +101,23 @@ def test_every_documented_key_is_settable_in_every_preset_of_its_group(group, pr
 @pytest.mark.parametrize("method", sorted({m for m, _ in METHOD_KEYS}))
 def test_every_documented_method_option_is_settable(method):
     set_to_itself((f"method={method}",), [k for m, k in METHOD_KEYS if m == method])
+
+
+def test_every_method_option_is_documented_with_its_config_default():
+    """configs/method/<name>.yaml owns each option and its default; the method tables (docs/configuration.md,
+    docs/grid.md) restate the default beside the meaning, so a changed default that the table does
+    not follow (or an option the tables leave out) fails here."""
+    assert len(METHOD_DEFAULTS) > 40
+    for name in config_names("method"):
+        options = set(OmegaConf.load(ROOT / "configs" / "method" / f"{name}.yaml")) - {"name"}
+        assert options <= {key.removeprefix("method.") for m, key in METHOD_KEYS if m == name}, name
+    for name, option, written in METHOD_DEFAULTS:
+        if (ROOT / "configs" / "method" / f"{name}.yaml").is_file() and option != "positions.randomize_max":
+            config = OmegaConf.load(ROOT / "configs" / "method" / f"{name}.yaml")
+            expected = OmegaConf.create(f"v: {written}").v  # as YAML reads it
+            actual = config[option]
+            assert (OmegaConf.to_container(actual) if OmegaConf.is_config(actual) else actual) == (
+                OmegaConf.to_container(expected) if OmegaConf.is_config(expected) else expected), (name, option)
 
 
 @pytest.mark.parametrize("preset", config_names("model"))

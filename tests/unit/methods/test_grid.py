@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_checks import assert_matches_reference
 
 from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, grid_positions, grid_side, list_methods
@@ -106,8 +107,9 @@ def test_axial_rope_matches_heo_et_al(base):
     cells = grid_positions(3, 4)  # 3 rows of 4 columns, row-major as Heo et al.'s t
     rq, rk = method.rotate_qk(q, k, cells)
     cis = heo_axial_cis(16, end_x=4, end_y=3, theta=base)
-    torch.testing.assert_close(rq, heo_apply(q, cis), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rk, heo_apply(k, cis), atol=1e-5, rtol=1e-5)
+    for got, x in ((rq, q), (rk, k)):
+        assert_matches_reference(got, heo_apply(x, cis), method="axial_rope",
+                                 reference="Heo et al. compute_axial_cis + apply_rotary_emb", atol=1e-5, rtol=1e-5)
 
 
 def test_axial_rope_scores_depend_only_on_the_offset():

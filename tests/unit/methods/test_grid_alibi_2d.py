@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from grid_score_checks import assert_backends_agree, assert_scores_depend_only_on_offsets, dense_term
+from model_checks import assert_matches_reference
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
 from posbench.core.errors import PosbenchError
@@ -36,7 +37,8 @@ def croma_2dalibi(num_heads: int, side: int) -> torch.Tensor:
 def test_alibi_2d_matches_cromas_2d_alibi(heads):
     method = build_method("alibi_2d", ModelDims(d_model=8 * heads, n_heads=heads, n_layers=1))
     q = torch.randn(1, heads, 36, 8)
-    torch.testing.assert_close(dense_term(method, q, grid_positions(6, 6)), croma_2dalibi(heads, 6))
+    assert_matches_reference(dense_term(method, q, grid_positions(6, 6)), croma_2dalibi(heads, 6), method="alibi_2d",
+                             reference="CROMA get_2dalibi (6 x 6 grid)")
 
 
 @pytest.mark.parametrize("distance", ["euclidean", "manhattan"])
@@ -50,7 +52,8 @@ def test_alibi_2d_matches_the_formula_pair_by_pair(distance):
         dy, dx = (cells[b, i] - cells[b, j]).tolist()
         dist = math.hypot(dy, dx) if distance == "euclidean" else abs(dy) + abs(dx)
         want[b, h, i, j] = -slopes[h].item() * dist
-    torch.testing.assert_close(dense_term(method, torch.randn(2, 4, 12, 8), cells), want)
+    assert_matches_reference(dense_term(method, torch.randn(2, 4, 12, 8), cells), want, method="alibi_2d",
+                             reference=f"formula -m_h dist(i, j), pair by pair ({distance})")
 
 
 @pytest.mark.parametrize("distance", ["euclidean", "manhattan"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from model_checks import assert_matches_reference
 
 from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, grid_positions
@@ -38,7 +39,8 @@ def test_interpolated_embedding_is_deits_bicubic_resize_of_the_trained_block(sid
     expected = deit_resize(trained, side)[0]  # (side**2, d)
     with torch.no_grad():
         got = m.input_embedding(grid_positions(side, side))
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert_matches_reference(got, expected, method="learned_2d", reference="DeiT / MAE interpolate_pos_embed (bicubic)",
+                             atol=1e-6, rtol=0)
     assert not torch.allclose(got[: min(side, 8)], trained[0, : min(side, 8)])  # resized, not the raw rows
 
 

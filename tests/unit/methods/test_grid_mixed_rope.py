@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from model_checks import assert_matches_reference
 
 from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, grid_positions
@@ -60,7 +61,8 @@ def test_initial_frequencies_are_heo_et_al_s_drawn_from_the_same_generator(base,
     torch.manual_seed(3)
     expected = heo_model_freqs(16, num_heads=2, depth=3, theta=base, rotate=rotate)
     assert method.freqs.shape == (2, 3, 2, 8)  # (axis, layer, head, D/2)
-    torch.testing.assert_close(method.freqs.detach().view(2, 3, -1), expected, rtol=0, atol=0)
+    assert_matches_reference(method.freqs.detach().view(2, 3, -1), expected, method="mixed_rope",
+                             reference="Heo et al. init_random_2d_freqs, same generator", rtol=0, atol=0)
     if not rotate:  # every head starts axial: the first D/4 pairs along x, the last along y
         assert torch.all(method.freqs[1, ..., :4] == 0) and torch.all(method.freqs[0, ..., 4:].abs() < 1e-6)
 
@@ -76,13 +78,16 @@ def test_rotation_is_heo_et_al_s_mixed_cis_per_layer():
     cells = grid_positions(3, 4)  # 3 rows of 4 columns, row-major as their t
     for layer in range(3):
         rq, rk = method.rotate_qk(q, k, cells, layer)
-        torch.testing.assert_close(rq, heo_apply(q, cis[layer]), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(rk, heo_apply(k, cis[layer]), atol=1e-5, rtol=1e-5)
+        for got, x in ((rq, q), (rk, k)):
+            assert_matches_reference(got, heo_apply(x, cis[layer]), method="mixed_rope",
+                                     reference="Heo et al. compute_mixed_cis + apply_rotary_emb", atol=1e-5, rtol=1e-5)
         # per-row cells (B, T, 2) rotate each row by its own cells
         batched = torch.stack((cells, cells.flip(0)))
         bq, _ = method.rotate_qk(q, k, batched, layer)
         torch.testing.assert_close(bq[0], rq[0])
-        torch.testing.assert_close(bq[1], heo_apply(q, cis[layer].flip(1))[1], atol=1e-5, rtol=1e-5)
+        assert_matches_reference(bq[1], heo_apply(q, cis[layer].flip(1))[1], method="mixed_rope",
+                                 reference="Heo et al. compute_mixed_cis + apply_rotary_emb, per-row cells",
+                                 atol=1e-5, rtol=1e-5)
 
 
 def test_scores_depend_only_on_the_offset_and_mix_the_axes():

@@ -12,6 +12,7 @@ from grid_score_checks import (
     assert_scores_depend_only_on_offsets,
     dense_term,
 )
+from model_checks import assert_matches_reference
 
 from posbench.core.errors import PosbenchError
 from posbench.methods import ModelDims, build_method, grid_positions
@@ -55,7 +56,8 @@ def test_relative_2d_matches_the_formula_pair_by_pair(max_offset):
         for c in (cells, per_row):
             with torch.no_grad():
                 got = dense_term(m, q, c, layer)
-            torch.testing.assert_close(got, naive(q, c, row, col, max_offset), atol=1e-5, rtol=1e-5)
+            assert_matches_reference(got, naive(q, c, row, col, max_offset), method="relative_2d",
+                                     reference=f"formula pair by pair, max_offset={max_offset}", atol=1e-5, rtol=1e-5)
 
 
 def article_rel_to_abs(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,8 @@ def test_relative_2d_matches_the_articles_rel_to_abs_on_an_unclipped_grid():
     reference = rearrange(col_full + row_full, "b h yq xq yk xk -> b h (yq xq) (yk xk)") * 16**-0.5
     with torch.no_grad():
         got = dense_term(m, q, grid_positions(Hg, Wg), layer=0)
-    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+    assert_matches_reference(got, reference, method="relative_2d", reference="AI Summer rel_to_abs (self-attention-cv), unclipped",
+                             atol=1e-5, rtol=1e-5)
 
 
 def test_relative_2d_runs_alike_in_eager_sdpa_and_flex():

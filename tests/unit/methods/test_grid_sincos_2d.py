@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from model_checks import assert_matches_reference
 
 from posbench.methods import ModelDims, build_method, grid_positions
 from posbench.model.transformer import ModelConfig, build_model
@@ -37,9 +38,11 @@ def test_matches_maes_table(d_model, side):
     got = m.input_embedding(grid_positions(side, side))
     assert got.dtype == torch.float32 and got.shape == (side * side, d_model)
     expected = torch.from_numpy(mae_2d(d_model, side)).float()  # their formula in float64, rounded once
-    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert_matches_reference(got, expected, method="sincos_2d", reference="MAE get_2d_sincos_pos_embed (fp64, rounded once)",
+                             atol=0, rtol=0)
     float32 = torch.from_numpy(mae_2d(d_model, side, np.float32))  # as their code computes it
-    torch.testing.assert_close(got, float32, atol=2e-5, rtol=0)
+    assert_matches_reference(got, float32, method="sincos_2d", reference="MAE get_2d_sincos_pos_embed (fp32, as their code)",
+                             atol=2e-5, rtol=0)
 
 
 def test_the_first_half_encodes_the_column_and_the_second_the_row():

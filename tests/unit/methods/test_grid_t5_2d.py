@@ -11,6 +11,7 @@ from grid_score_checks import (
     assert_scores_depend_only_on_offsets,
     dense_term,
 )
+from model_checks import assert_matches_reference
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from posbench.core.errors import PosbenchError
@@ -38,8 +39,10 @@ def test_t5_2d_buckets_are_t5s_bidirectional_buckets_of_each_axis(num_buckets, m
     offsets = torch.arange(-300, 301)
     dy, dx = offsets[:, None].expand(-1, 601), offsets[None, :].expand(601, -1)  # query - key
     row, col = method.buckets(dy, dx)
-    assert torch.equal(row, hf_bucket(-dy, num_buckets, max_distance))
-    assert torch.equal(col, hf_bucket(-dx, num_buckets, max_distance))
+    for got, offset in ((row, dy), (col, dx)):
+        assert_matches_reference(got, hf_bucket(-offset, num_buckets, max_distance), method="t5_2d",
+                                 reference="transformers T5Attention._relative_position_bucket (bidirectional)",
+                                 atol=0, rtol=0)
 
 
 def test_t5_2d_default_buckets_give_each_training_offset_its_own_bucket():
@@ -69,7 +72,8 @@ def test_t5_2d_bias_is_the_table_gathered_by_the_buckets_of_each_pair():
     q = torch.randn(2, 2, 25, 16)
     with torch.no_grad():
         for layer in (0, 1):
-            torch.testing.assert_close(dense_term(method, q, cells, layer), want)
+            assert_matches_reference(dense_term(method, q, cells, layer), want, method="t5_2d",
+                                     reference="table[HF bucket(dy), HF bucket(dx), h], pair by pair")
 
 
 def test_t5_2d_bias_scale_defaults_to_sqrt_head_dim():
