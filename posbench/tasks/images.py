@@ -68,7 +68,7 @@ class Fashion(GridTask):
     head = "pooled"
     TESTS = ("canvas", "zoom")
     PAIRED_TESTS = TESTS
-    LEARNT_AT_C = 0.8
+    LEARNT_AT_C = 0.75
     BASELINES = {"ink_histogram": True, "ink_counts": False}
     """Baseline name -> whether its histogram is normalised."""
 

@@ -13,7 +13,7 @@ from helpers import compose_config, posbench_cli
 
 from posbench.core.errors import PosbenchError
 from posbench.data.images import load_images, unpatchify, zoom
-from posbench.tasks import TEST, TRAIN, VALID, make_task
+from posbench.tasks import TEST, VALID, make_task
 from posbench.tasks.images import held_out
 
 C = 49  # 7 x 7 patches of 4 px
@@ -188,18 +188,17 @@ QUICK_IMAGES = ["logger=none", "trainer.max_steps=4", "trainer.batch_size=8", "t
 
 
 @pytest.mark.slow
-def test_cli_trains_the_image_task_and_plots_it_by_protocol_and_size(tmp_path):
-    from posbench.train.trainer import train
-
-    runs = []
-    for method, seed in [("axial_rope", 0), ("axial_rope", 1), ("nope", 0), ("nope", 1)]:
-        run = tmp_path / f"fashion-{method}-s{seed}"
-        overrides = ["task=fashion", f"method={method}", f"seed={seed}", *QUICK_IMAGES]
-        if not runs:  # one through the command line, the others in process
-            posbench_cli("train", *overrides, f"hydra.run.dir={run}")
-        else:
-            train(compose_config("train", overrides), run, log=lambda _: None)
-        runs.append(run)
+def test_the_images_sweep_trains_the_task_and_plots_it_by_protocol_and_size(tmp_path):
+    """``experiment=images`` through the command line: the grid methods named (rope, a sequence
+    method, is left out by the sweeper) x seeds, then ``posbench plot`` of the runs."""
+    sweep = tmp_path / "sweep"
+    proc = posbench_cli("train", "-m", "experiment=images", "method=axial_rope,nope,rope", "seed=0,1", *QUICK_IMAGES,
+                        f"hydra.sweep.dir={sweep}")
+    assert "leaving out the jobs of 1 method(s) not made for the grid encoder (a grid task): rope" in proc.stdout + proc.stderr
+    runs = sorted(p for p in sweep.iterdir() if (p / "results.json").exists())
+    assert sorted(json.loads((p / "results.json").read_text())["method"] for p in runs) == [
+        "axial_rope", "axial_rope", "nope", "nope"]
+    runs.sort(key=lambda p: (json.loads((p / "results.json").read_text())["method"] != "axial_rope", p.name))
     results = json.loads((runs[0] / "results.json").read_text())
     entries = results["task"]["entries"]
     assert [(e["test_set"], e["length"]) for e in entries] == [("canvas", 49), ("canvas", 196), ("zoom", 49),
