@@ -209,7 +209,8 @@ def task_config(section: Any, trainer: TrainerConfig, evaluation: EvalConfig) ->
     options = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
     task = make_task(options, trainer.context)
     task.check_lengths(evaluation.lengths)
-    task.check_sizes(evaluation.num_sequences, max(trainer.val_sequences, trainer.val_extrapolation_sequences))
+    task.check_sizes({"eval.num_sequences": evaluation.num_sequences, "trainer.val_sequences": trainer.val_sequences,
+                      "trainer.val_extrapolation_sequences": trainer.val_extrapolation_sequences})
     if evaluation.probes:
         raise PosbenchError(f"eval.probes={list(evaluation.probes)} read text, and task={task.name} runs have none; "
                             "drop eval.probes (the task's own accuracy is the measurement)")

@@ -235,9 +235,10 @@ class Task:
         in-training ``val_accuracy_<C>_<2C>`` reads."""
         return np.arange(length) >= self.context
 
-    def check_sizes(self, test_sequences: int, val_sequences: int) -> None:
-        """Refuse test or validation sets larger than the task can fill (one line); a generated
-        task fills any (an image task has as many images as its split)."""
+    def check_sizes(self, sizes: dict[str, int]) -> None:
+        """Refuse held-out sets larger than the task can fill (one line): ``sizes`` maps each
+        setting (``eval.num_sequences``, ``trainer.val_sequences``, ...) to its count. A generated
+        task fills any; an image task has as many images as its split."""
 
     @classmethod
     def length_note(cls, length: int, options: dict[str, Any]) -> str:

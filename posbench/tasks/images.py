@@ -108,15 +108,14 @@ class Fashion(GridTask):
             raise PosbenchError(f"eval.lengths: {length} is not a square grid of at least {self.side} x {self.side} "
                                 f"patches; s x s patches of {self.patch} px are an image of {self.patch}s px, e.g. {sizes}")
 
-    def check_sizes(self, test_sequences: int, val_sequences: int) -> None:
-        """As many test and validation images as asked must exist (each is used once)."""
-        for what, wanted, stream, split in (("eval.num_sequences", test_sequences, TEST, "test split"),
-                                            ("trainer.val_sequences (or val_extrapolation_sequences)", val_sequences, VALID,
-                                             "validation images")):
+    def check_sizes(self, sizes: dict[str, int]) -> None:
+        """As many test (``eval.*``) and validation images as asked must exist (each is used once)."""
+        for key, wanted in sizes.items():
+            stream, split = (TEST, "test") if key.startswith("eval.") else (VALID, "validation")
             have = len(self.pools[stream][1])
             if wanted > have:
-                raise PosbenchError(f"{what}={wanted} but task.source={self.source} has {have} {split} "
-                                    f"(every image once); set {what} <= {have}")
+                raise PosbenchError(f"{key}={wanted} but task.source={self.source} has {have} {split} images "
+                                    f"(each is used once); set {key} <= {have}")
 
     def beyond_context(self, length: int) -> np.ndarray:
         """The one answer reads the whole image: past the training grid when the grid is larger."""

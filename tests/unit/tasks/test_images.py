@@ -155,8 +155,10 @@ def test_bad_task_options_are_one_line(section, context, message):
     (["eval.lengths=[49,200]"], r"eval.lengths: 200 is not a square grid of at least 7 x 7 patches; s x s patches "
                                 r"of 4 px are an image of 4s px, e.g. 49 \(28 px\), 196 \(56 px\), 784 \(112 px\)"),
     (["eval.lengths=[16,49,196]"], r"has a length below trainer.context=49; .* e.g. eval.lengths=\[49,196\]$"),
-    (["eval.num_sequences=1001"], "eval.num_sequences=1001 but task.source=sample has 1000 test split"),
-    (["trainer.val_extrapolation_sequences=501"], r"has 500 validation images .* <= 500"),
+    (["eval.num_sequences=1001"], r"eval.num_sequences=1001 but task.source=sample has 1000 test images \(each is "
+                                  r"used once\); set eval.num_sequences <= 1000"),
+    (["trainer.val_extrapolation_sequences=501"], "trainer.val_extrapolation_sequences=501 but task.source=sample has "
+                                                  "500 validation images"),
     (["task.patch=3"], "task.patch=3 does not divide"),
     (["method=rope"], "method=rope is a sequence method and task=fashion runs on the grid encoder"),
 ])
