@@ -7,7 +7,8 @@ states (the pooled head): one answer per image, ``answers`` and ``labels`` of sh
 
 It is tested on larger grids made by the two protocols of :mod:`posbench.data.images.protocols`
 (``task.tests``): ``canvas`` pastes the image unchanged at a seeded place on a blank canvas (the
-scale is the training one, the positions are new), ``zoom`` upsamples it (the object fills the
+scale is the training one, the positions are new; by default at a multiple of the patch size, so
+its patches are the training patches at other cells), ``zoom`` upsamples it (the object fills the
 grid, each patch holds a smaller part of it). At the training size both are the image itself.
 
     training    <- the official train split less every 10th image of each class, drawn per step
@@ -71,9 +72,11 @@ class Fashion(GridTask):
     LEARNT_AT_C = 0.75
     BASELINES = {"ink_histogram": True, "ink_counts": False}
     """Baseline name -> whether its histogram is normalised."""
+    CANVAS_OFFSETS = ("patch", "pixel")
+    """``task.canvas_offsets``: canvas offsets on the patch grid, or at any pixel."""
 
-    def __init__(self, context: int, *, seed: int = 0, source: str = "sample", patch: int = 4, tests=None,
-                 learnt_at_c=None) -> None:
+    def __init__(self, context: int, *, seed: int = 0, source: str = "sample", patch: int = 4,
+                 canvas_offsets: str = "patch", tests=None, learnt_at_c=None) -> None:
         super().__init__(context, seed=seed, tests=tests, learnt_at_c=learnt_at_c)
         self.patch = positive_int(self.name, "patch", patch)
         if IMAGE_SIDE % self.patch:
@@ -85,6 +88,10 @@ class Fashion(GridTask):
             raise PosbenchError(f"trainer.context={context} is a {self.side} x {self.side} grid, but 28 x 28 images in "
                                 f"patches of {self.patch} make a {side} x {side} grid; set trainer.context={side * side}")
         self.patch_dim = self.patch * self.patch
+        if canvas_offsets not in self.CANVAS_OFFSETS:
+            raise PosbenchError(f"task.canvas_offsets={canvas_offsets!r}: choose patch (offsets on the patch grid) "
+                                "or pixel (any offset) (task=fashion)")
+        self.canvas_step = self.patch if canvas_offsets == "patch" else 1
         self.source = str(source)
         train, test = load_images(self.source, "train"), load_images(self.source, "test")
         for split in (train, test):
@@ -142,7 +149,7 @@ class Fashion(GridTask):
         if test == "zoom":
             big = zoom(images, size)
         else:
-            big, _ = canvas(images, size, seed=int(rng.integers(0, 2**62)))
+            big, _ = canvas(images, size, seed=int(rng.integers(0, 2**62)), step=self.canvas_step)
         patches, _ = patchify(big, self.patch)  # (N, L, p*p) uint8
         n = patches.shape[0]
         features = patches.numpy().astype(np.float32) / 255.0  # (N, L, F)

@@ -82,6 +82,17 @@ def test_both_protocols_are_the_image_itself_at_the_training_size(task):
     assert (canvas.features == zoomed.features).all() and (canvas.labels == zoomed.labels).all()
 
 
+def placed_offsets(small: torch.Tensor, big: torch.Tensor) -> list[tuple[int, int]]:
+    """Where each 28 x 28 image lies on its canvas, checking it is there unchanged and alone."""
+    offsets = []
+    for image, placed in zip(small, big):
+        top, left = (int(v) for v in torch.nonzero(placed).min(dim=0).values - torch.nonzero(image).min(dim=0).values)
+        assert (placed[top:top + 28, left:left + 28] == image).all(), "the image pasted unchanged"
+        assert int(placed.sum()) == int(image.sum()), "and nothing else on the canvas"
+        offsets.append((top, left))
+    return offsets
+
+
 @pytest.mark.parametrize("length, side", [(196, 14), (784, 28)])
 def test_canvas_and_zoom_geometry(task, length, side):
     small = pixels(task.sequences(TEST, C, 30, "canvas"), 7)  # (30, 28, 28)
@@ -89,18 +100,21 @@ def test_canvas_and_zoom_geometry(task, length, side):
     zoomed = task.sequences(TEST, length, 30, "zoom")
     assert canvas.features.shape == zoomed.features.shape == (30, length, 16)
     assert (canvas.labels == zoomed.labels).all()  # the same images at every size and protocol (paired)
-    big = pixels(canvas, side)  # (30, 4s, 4s)
-    offsets = set()
-    for image, placed in zip(small, big):
-        ink = torch.nonzero(placed)
-        top, left = (int(v) for v in ink.min(dim=0).values - torch.nonzero(image).min(dim=0).values)
-        assert (placed[top:top + 28, left:left + 28] == image).all(), "the image pasted unchanged"
-        assert int(placed.sum()) == int(image.sum()), "and nothing else on the canvas"
-        offsets.add((top, left))
+    offsets = set(placed_offsets(small, pixels(canvas, side)))
     assert len(offsets) > 10  # seeded places, not one
+    assert all(top % 4 == 0 and left % 4 == 0 for top, left in offsets)  # on the patch grid: the training patches
     assert (pixels(zoomed, side) == zoom(small, 4 * side)).all()
     again = task.sequences(TEST, length, 30, "canvas")
     assert (again.features == canvas.features).all()  # the offsets are seeded
+
+
+def test_pixel_canvas_offsets_cut_the_image_into_other_patches():
+    pixel = make_task({"name": "fashion", "canvas_offsets": "pixel"}, C)
+    small = pixels(pixel.sequences(TEST, C, 30, "canvas"), 7)
+    offsets = placed_offsets(small, pixels(pixel.sequences(TEST, 196, 30, "canvas"), 14))
+    assert sum(top % 4 != 0 or left % 4 != 0 for top, left in offsets) > 15
+    assert (pixel.sequences(TEST, C, 30, "canvas").features == make_task({"name": "fashion"}, C).sequences(
+        TEST, C, 30, "canvas").features).all()  # at 28 px the same images
 
 
 def naive_ink_guess(images: np.ndarray, train_images: np.ndarray, train_labels: np.ndarray, normalise: bool):
@@ -145,6 +159,8 @@ def test_the_one_answer_is_past_the_training_grid_on_a_larger_grid(task):
     ({"name": "fashion", "patch": 7}, C, "set trainer.context=16"),
     ({"name": "fashion", "tests": ["canvas", "shifted"]}, C, "choose distinct test sets among canvas, zoom"),
     ({"name": "fashion", "source": "/nonexistent/fm"}, C, "is not a file or folder"),
+    ({"name": "fashion", "canvas_offsets": "cell"}, C, "task.canvas_offsets='cell': choose patch (offsets on the patch "
+                                                       "grid) or pixel (any offset) (task=fashion)"),
 ])
 def test_bad_task_options_are_one_line(section, context, message):
     with pytest.raises(PosbenchError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
