@@ -152,6 +152,21 @@ def test_the_one_answer_is_past_the_training_grid_on_a_larger_grid(task):
     assert task.length_note(196, {"patch": 4}) == " (56 px)"
 
 
+def test_the_learnt_at_c_gate_reads_canvas_at_28_px(task):
+    """fashion has no standard test: the gate reads its reference test, canvas (the first of TESTS)."""
+    from posbench.evaluation.tasks import learnt_at_c, task_entry
+
+    entries = []
+    for test, right in (("canvas", 14), ("zoom", 19)):  # of 20 images
+        batch = task.sequences(TEST, C, 20, test)
+        correct = (np.arange(20) < right)[:, None]  # (N, 1): one answer per image
+        entries.append(task_entry(task, batch, correct, np.zeros((20, 1)), length=C, train_context=C, test=test))
+    assert entries[0]["answers"] == 20 and entries[0]["accuracy"]["mean"] == pytest.approx(0.7)
+    verdict = learnt_at_c({"name": "fashion", "options": {}, "entries": entries}, C)
+    assert verdict["test_set"] == "canvas" and verdict["value"] == pytest.approx(0.7)
+    assert verdict["threshold"] == 0.75 and not verdict["learnt"]
+
+
 @pytest.mark.parametrize("section, context, message", [
     ({"name": "fashion", "patch": 5}, C, "task.patch=5 does not divide the 28 x 28 images; pick one of 1, 2, 4, 7, 14, 28"),
     ({"name": "fashion"}, 64, "trainer.context=64 is a 8 x 8 grid, but 28 x 28 images in patches of 4 make a 7 x 7 "
