@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from helpers import compose_config, posbench_cli
 
 from posbench.core.errors import PosbenchError
 from posbench.data.images import load_images, unpatchify, zoom
+from posbench.methods import list_methods
 from posbench.tasks import TEST, VALID, make_task
 from posbench.tasks.images import held_out
 
@@ -254,3 +256,20 @@ def test_the_images_sweep_trains_the_task_and_plots_it_by_protocol_and_size(tmp_
     for where in ("canvas 7x7 (28 px)", "canvas 14x14 (56 px)", "zoom 7x7 (28 px)", "zoom 14x14 (56 px)"):
         assert re.search(rf"\| {re.escape(where)} \| (nope \| axial_rope|axial_rope \| nope) \| .* \| 0,1 \|", paired), where
     assert (out / "tasks_fashion.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("method", list_methods("grid"))
+def test_every_grid_method_reads_images_at_every_size(task, method):
+    """Each method of the images sweep builds from the preset and answers at 28, 56 and 112 px."""
+    from posbench.evaluation.tasks import answer_scores
+    from posbench.model.transformer import build_model
+    from posbench.runs.spec import build_spec
+
+    spec = build_spec(compose_config("train", ["task=fashion", f"method={method}"]))
+    torch.manual_seed(0)
+    model = build_model(replace(spec.model, vocab_size=task.vocab_size), spec.method, spec.method_options)
+    assert model.patch_embed.in_features == 16 and model.lm_head.out_features == 10
+    for length in spec.eval.lengths:
+        batch = task.sequences(TEST, length, 2, "zoom")
+        correct, loss = answer_scores(model, batch, 2, torch.device("cpu"))
+        assert correct.shape == loss.shape == (2, 1) and np.isfinite(loss).all(), (method, length)
