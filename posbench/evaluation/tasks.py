@@ -208,7 +208,8 @@ def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dty
 
 def learnt_at_c(task: TaskRecord, train_context: int) -> LearntAtC:
     """Whether a run learnt its task at C: the plain model's accuracy on the reference test at
-    length C (the standard one; the first of the task's ``TESTS`` for a task without it) against ``task.learnt_at_c`` (the task's default for runs that predate the option).
+    length C (the standard one; the first of the task's ``TESTS`` for a task without it) against
+    ``task.learnt_at_c`` (the task's default for runs that predate the option).
     ``task`` is results.json's ``task``; a run with a recorded verdict keeps it. ``value`` is
     None (and ``learnt`` False) when the run has no such entry."""
     if isinstance(task.get("learnt_at_c"), dict):
