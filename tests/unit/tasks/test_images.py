@@ -16,7 +16,7 @@ from helpers import compose_config, posbench_cli
 from posbench.core.errors import PosbenchError
 from posbench.data.images import load_images, unpatchify, zoom
 from posbench.methods import list_methods
-from posbench.tasks import TEST, VALID, make_task
+from posbench.tasks import TEST, TRAIN, VALID, make_task
 from posbench.tasks.images import held_out
 
 C = 49  # 7 x 7 patches of 4 px
@@ -256,6 +256,34 @@ def test_the_images_sweep_trains_the_task_and_plots_it_by_protocol_and_size(tmp_
     for where in ("canvas 7x7 (28 px)", "canvas 14x14 (56 px)", "zoom 7x7 (28 px)", "zoom 14x14 (56 px)"):
         assert re.search(rf"\| {re.escape(where)} \| (nope \| axial_rope|axial_rope \| nope) \| .* \| 0,1 \|", paired), where
     assert (out / "tasks_fashion.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_viz_of_an_image_run_draws_its_attention_on_canvas_images(tmp_path):
+    from posbench.train.trainer import train
+    from posbench.viz.command import run_viz
+
+    run = tmp_path / "fashion-axial_rope-s0"
+    train(compose_config("train", ["task=fashion", "method=axial_rope", *QUICK_IMAGES]), run, log=lambda _: None)
+    out = tmp_path / "viz"
+    written = run_viz(compose_config("viz", [f"run={run}", f"out={out}", "span=2", "attention.num_sequences=2",
+                                             "wandb=false"]), log=lambda _: None)
+    assert {p.name for p in written} >= {"grid_attention_distance.png", "grid_attention_layer0.png"}
+    numbers = json.loads((out / "grid_attention_distance.json").read_text())
+    assert numbers["train_side"] == 7 and numbers["sides"] == [7, 14]
+
+
+def test_an_npz_source_is_read_and_its_sizes_bound_the_held_out_sets(tmp_path, splits):
+    train, test = splits
+    path = tmp_path / "small.npz"
+    np.savez(path, x_train=train.images[:200].numpy(), y_train=train.labels[:200].numpy(),
+             x_test=test.images[:50].numpy(), y_test=test.labels[:50].numpy())
+    small = make_task({"name": "fashion", "source": str(path)}, C)
+    valid = held_out(train.labels[:200].numpy())
+    assert [len(small.pools[s][1]) for s in (TRAIN, VALID, TEST)] == [200 - valid.sum(), valid.sum(), 50]
+    assert (pixels(small.sequences(TEST, C, 50, "zoom"), 7).sum(dim=(1, 2)) > 0).all()  # every image has ink
+    with pytest.raises(PosbenchError, match=f"eval.num_sequences=51 but task.source={path} has 50 test images"):
+        small.check_sizes({"eval.num_sequences": 51})
 
 
 @pytest.mark.parametrize("method", list_methods("grid"))
