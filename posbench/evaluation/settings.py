@@ -12,6 +12,7 @@ imports only ``core`` and ``config``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,13 +185,16 @@ class EvalConfig:
         """The settings of the extensions that take some, by extension name (validated)."""
         return {"rerope": self.rerope, "self_extend": self.self_extend}
 
-    def check_lengths(self, train_context: int, need_headline: bool) -> None:
+    def check_lengths(self, train_context: int, need_headline: bool, grid: bool = False) -> None:
         """Refuse lengths below the training context (they have no band at all), and, with
-        ``need_headline`` (training), a set of lengths without the headline C-2C band."""
+        ``need_headline`` (training), a set of lengths without the headline C-2C band. On a
+        ``grid`` the suggested lengths are grids: C and twice its side."""
         if min(self.lengths) < train_context:
+            side = math.isqrt(train_context)
+            example = f"{train_context},{(2 * side) ** 2}" if grid else f"{2 * train_context}"
             raise PosbenchError(
                 f"eval.lengths {self.lengths} has a length below trainer.context={train_context}; "
-                f"evaluate at or beyond the training context, e.g. eval.lengths=[{2 * train_context}]"
+                f"evaluate at or beyond the training context, e.g. eval.lengths=[{example}]"
             )
         if need_headline and max(self.lengths) < 2 * train_context:
             raise PosbenchError(

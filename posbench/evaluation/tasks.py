@@ -34,7 +34,8 @@ def answer_scores(model: nn.Module, batch: Batch, batch_size: int, device: torch
                   autocast_dtype: torch.dtype | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(correct, loss)``, each ``(N, L)`` numpy arrays over every target of ``batch``: whether
     the argmax is the target and the cross-entropy (float64); read them only where
-    ``batch.answers`` is set. The body runs under ``autocast_dtype``, the head in float32."""
+    ``batch.answers`` is set (``(N, 1)`` for a pooled head: one answer per sequence). The body
+    runs under ``autocast_dtype``, the head in float32."""
     x, y = batch.inputs_targets()  # (N, L) each, y = IGNORE off the answers
     correct = np.zeros(y.shape, dtype=bool)
     loss = np.zeros(y.shape, dtype=np.float64)
@@ -42,7 +43,7 @@ def answer_scores(model: nn.Module, batch: Batch, batch_size: int, device: torch
         for start in range(0, x.shape[0], batch_size):
             xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                h = model.hidden_states(xb)  # (b, L, D)
+                h = model.answer_states(model.hidden_states(xb))  # (b, L, D), pooled: (b, 1, D)
             logits = F.linear(h.float(), model.lm_head.weight.float())  # (b, L, V)
             ce = F.cross_entropy(logits.transpose(1, 2), yb, reduction="none", ignore_index=IGNORE)  # (b, L)
             correct[start:start + xb.shape[0]] = (logits.argmax(-1) == yb).cpu().numpy()
@@ -153,11 +154,12 @@ def evaluate_task(model: nn.Module, task: Task, evaluation: Any, train_context: 
             entry["seconds"] = time.perf_counter() - started
             entries.append(entry)
             shown = ", ".join(f"{band}: {v['mean']:.3f}" for band, v in entry["by_position"].items() if v["n"])
+            shown = f"by position {shown}; " if entry["by_position"] else ""  # a pooled answer has no position
             label = ("" if test == STANDARD else f" {test}") + ("" if extension == NONE else f" {extension}")
             extra = f", exact match {shown_mean(entry['exact_match'])}" if "exact_match" in entry else ""
             baselines = ", ".join(f"{k} {v:.3f}" for k, v in entry["baselines"].items() if v is not None)
             log(f"task {task.name} length {length}{label}: accuracy {shown_mean(entry['accuracy'])}{extra} "
-                f"(by position {shown}; baselines {baselines})")
+                f"({shown}baselines {baselines})")
     return entries
 
 
@@ -179,7 +181,7 @@ def validation_metrics(model: nn.Module, task: Task, sets: dict[str, Batch], con
         correct, loss = answer_scores(model, batch, batch_size, device, autocast_dtype)
         answers = batch.answers.copy()
         if name != "val":
-            answers &= task.beyond_context(answers.shape[1])[None, :]  # past C (a grid: outside its square)
+            answers &= task.beyond_context(batch.inputs.shape[1])[None, :]  # past C (a grid: outside its square)
         else:
             row["val_loss"] = float(loss[answers].mean())
         row[name.replace("val", "val_accuracy", 1)] = float(correct[answers].mean()) if answers.any() else float("nan")
@@ -197,7 +199,7 @@ def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dty
               "metrics": list(task.metrics), "chance": task.chance(), "vocab_size": task.vocab_size, "entries": entries}
     record["learnt_at_c"] = learnt_at_c(record, context)
     if not record["learnt_at_c"]["learnt"]:
-        log(f"task {task.name}: not learnt at C (accuracy at {context} on the standard test "
+        log(f"task {task.name}: not learnt at C (accuracy at {context} on the {record['learnt_at_c']['test_set']} test "
             f"{shown_mean({'mean': record['learnt_at_c']['value']})} < task.learnt_at_c={task.learnt_at_c}): "
             "comparisons leave this run out of every claim past C")
     return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed, "train_context": context,
@@ -205,8 +207,9 @@ def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dty
 
 
 def learnt_at_c(task: TaskRecord, train_context: int) -> LearntAtC:
-    """Whether a run learnt its task at C: the plain model's accuracy on the standard test at
-    length C against ``task.learnt_at_c`` (the task's default for runs that predate the option).
+    """Whether a run learnt its task at C: the plain model's accuracy on the reference test at
+    length C (the standard one; the first of the task's ``TESTS`` for a task without it) against
+    ``task.learnt_at_c`` (the task's default for runs that predate the option).
     ``task`` is results.json's ``task``; a run with a recorded verdict keeps it. ``value`` is
     None (and ``learnt`` False) when the run has no such entry."""
     if isinstance(task.get("learnt_at_c"), dict):
@@ -214,11 +217,12 @@ def learnt_at_c(task: TaskRecord, train_context: int) -> LearntAtC:
     cls = task_class(task.get("name", ""))
     threshold = (task.get("options") or {}).get("learnt_at_c")
     threshold = float(threshold if threshold is not None else cls.LEARNT_AT_C if cls else Task.LEARNT_AT_C)
+    reference = cls.TESTS[0] if cls else STANDARD  # the standard test, for every task that has one
     value = next((e["accuracy"]["mean"] for e in task.get("entries", [])
-                  if e.get("test_set", STANDARD) == STANDARD and int(e["length"]) == train_context
+                  if e.get("test_set", STANDARD) == reference and int(e["length"]) == train_context
                   and e.get("extension", NONE) == NONE and "accuracy" in e), None)
     learnt = value is not None and not np.isnan(value) and value >= threshold
-    return {"test_set": STANDARD, "length": train_context, "metric": "accuracy", "threshold": threshold,
+    return {"test_set": reference, "length": train_context, "metric": "accuracy", "threshold": threshold,
             "value": value, "learnt": bool(learnt)}
 
 

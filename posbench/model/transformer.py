@@ -8,6 +8,10 @@ per cell.
            -> n_layers x [x + Attn(RMSNorm(x)),  x + SwiGLU(RMSNorm(x))]
            -> RMSNorm -> LM head -> logits
 
+An image task (docs/images.md) embeds patches (``model.patch_dim``: ``Linear(patch_dim, d_model)``,
+with ViT's bias) and reads one answer per image from the mean of the final hidden states
+(``model.head=pooled``); the patch embedding exists only when the option is on.
+
 Attention applies ``method.rotate_qk`` to q/k, ``method.score_term`` to the logits (it may read q,
 k and the layer input x), ``method.normalizer`` in place of the softmax where the method has one,
 and ``method.value_term`` to the output; one method instance is shared by all layers (methods that
@@ -31,6 +35,9 @@ from torch import Tensor, nn
 from posbench.core.errors import PosbenchError
 from posbench.methods import LAYOUTS, ModelDims, PositionMethod, build_method, grid_positions, grid_side
 from posbench.model.attention import BACKENDS, attend, causal_block_mask, prebuilt_block_mask, resolve_backend
+
+HEADS = ("tokens", "pooled")
+"""``model.head``: logits at every token, or one answer per sequence from the mean of the tokens."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,12 @@ class ModelConfig:
     """``sequence``: the causal language model. ``grid``: the bidirectional grid encoder (every
     token sees every token; a token's position is its cell (row, col) of a square grid, read
     by the grid methods). Set by the run spec from the task (a grid task: docs/grid.md)."""
+    patch_dim: int | None = None
+    """None: inputs are token ids (the embedding table). F: inputs are (B, T, F) float features
+    (an image's patches), embedded by ``Linear(F, d_model)``. Set by the run spec from the task."""
+    head: str = "tokens"
+    """``tokens``: logits at every token (the LM head). ``pooled``: one answer per sequence, the
+    head applied to the mean of the final hidden states (B, 1, vocab). Set by the run spec from the task."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,6 +127,11 @@ class ModelConfig:
         if self.layout == "grid" and self.attention_window is not None:
             raise PosbenchError("model.attention_window is a causal sliding window; the grid encoder takes none "
                                 "(set model.attention_window=null)")
+        if self.patch_dim is not None and (type(self.patch_dim) is not int or self.patch_dim <= 0 or self.tie_embeddings):
+            raise PosbenchError(f"model.patch_dim={self.patch_dim!r} must be a positive integer or null, and a patch "
+                                "model has no token embedding to tie (model.tie_embeddings=false)")
+        if self.head not in HEADS:
+            raise PosbenchError(f"model.head={self.head!r} is not a head; choose one of {', '.join(HEADS)}")
         if self.attention not in BACKENDS:
             raise PosbenchError(
                 f"model.attention={self.attention!r} is not a backend; choose one of {', '.join(BACKENDS)}"
@@ -131,6 +149,9 @@ class ModelConfig:
         values = asdict(self)
         if values["layout"] == "sequence":  # the language model's records stay as they were
             del values["layout"]
+        for name, default in (("patch_dim", None), ("head", "tokens")):  # so do the token models'
+            if values[name] == default:
+                del values[name]
         return values
 
     @property
@@ -208,7 +229,10 @@ class Transformer(nn.Module):
             )
         self.cfg = cfg
         self.position = method
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.patch_dim is None:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        else:
+            self.patch_embed = nn.Linear(cfg.patch_dim, cfg.d_model)  # (B, T, F) -> (B, T, C)
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -224,20 +248,39 @@ class Transformer(nn.Module):
         """GPT-2 style init; position methods keep the init they chose for their own tables."""
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-        nn.init.normal_(self.embed.weight, std=std)
+        if self.cfg.patch_dim is None:
+            nn.init.normal_(self.embed.weight, std=std)
+        else:
+            nn.init.zeros_(self.patch_embed.bias)  # its weight: normal(std), below
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and not name.startswith("position."):
                 is_residual_out = name.endswith("attn.out") or name.endswith("mlp.down")
                 nn.init.normal_(module.weight, std=residual_std if is_residual_out else std)
 
+    def embed_inputs(self, idx: Tensor) -> Tensor:
+        """(B, T) token ids -> (B, T, C) by the embedding table; with ``patch_dim``: (B, T, F)
+        features -> (B, T, C) by the patch embedding."""
+        if self.cfg.patch_dim is None:
+            return self.embed(idx)
+        if idx.dim() != 3 or idx.shape[-1] != self.cfg.patch_dim or not idx.is_floating_point():
+            raise PosbenchError(f"a patch model takes float features (B, T, {self.cfg.patch_dim}), "
+                                f"got {idx.dtype} of shape {tuple(idx.shape)}")
+        return self.patch_embed(idx)
+
+    def answer_states(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) final hidden states -> the states the head reads: every token's (the same
+        tensor), or with the pooled head their mean over the tokens (B, 1, C)."""
+        return hidden.mean(dim=1, keepdim=True) if self.cfg.head == "pooled" else hidden
+
     def hidden_states(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
-        """(B, T) token ids -> (B, T, d_model) final normalised hidden states.
+        """(B, T) token ids (or (B, T, patch_dim) features) -> (B, T, d_model) final normalised
+        hidden states.
 
         ``positions``: (T,) or (B, T) position ids (randomized positions give each sequence its
         own row); default ``arange(T)``. On the grid layout: (T, 2) or (B, T, 2) cells (row, col);
         default the cells of the square grid of T tokens in row-major order.
         """
-        B, T = idx.shape
+        B, T = idx.shape[:2]
         windows = layer_windows(self.cfg, self.position)
         block_masks = {}  # once per forward and distinct window, shared by the layers that use it
         build_mask = prebuilt_block_mask if self.prebuilt_masks else causal_block_mask
@@ -256,7 +299,7 @@ class Transformer(nn.Module):
             if positions.shape not in ((T, 2), (B, T, 2)):
                 raise PosbenchError(f"grid positions must have shape ({T}, 2) or ({B}, {T}, 2), "
                                     f"got {tuple(positions.shape)}")
-        x = self.embed(idx)  # (B, T, C)
+        x = self.embed_inputs(idx)  # (B, T, C)
         pos_emb = self.position.input_embedding(positions)  # (T, C) or (B, T, C)
         if pos_emb is not None:
             x = x + pos_emb.to(x.dtype)
@@ -267,8 +310,9 @@ class Transformer(nn.Module):
 
     def forward(self, idx: Tensor, positions: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
         """(B, T) token ids -> (B, T, vocab) logits; with ``targets`` (B, T) -> the mean
-        next-token cross-entropy (fp32), computed by :func:`lm_loss` (as nanoGPT's forward)."""
-        hidden = self.hidden_states(idx, positions)  # (B, T, C)
+        next-token cross-entropy (fp32), computed by :func:`lm_loss` (as nanoGPT's forward).
+        The pooled head gives (B, 1, vocab) logits and takes (B, 1) targets."""
+        hidden = self.answer_states(self.hidden_states(idx, positions))  # (B, T, C), pooled: (B, 1, C)
         if targets is None:
             return self.lm_head(hidden)  # (B, T, vocab)
         if self.loss_chunk:
@@ -279,7 +323,7 @@ class Transformer(nn.Module):
         params = {id(p): p for p in self.parameters()}
         total = sum(p.numel() for p in params.values())
         if non_embedding:
-            total -= self.embed.weight.numel()
+            total -= self.embed.weight.numel() if self.cfg.patch_dim is None else 0
             if not self.cfg.tie_embeddings:
                 total -= self.lm_head.weight.numel()
         return total

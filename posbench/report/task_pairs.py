@@ -1,10 +1,11 @@
 """Paired differences of task accuracy between methods, by seed (``tasks_paired.md``).
 
 For every task table, every pair of groups (A, B) and every length, A minus B of the plain
-model's accuracy on the standard test, paired by seed over the seeds that learnt the task at C in
-*both* groups (a run not learnt at C makes no claim past C), with a Student-t interval over the
-per-seed differences (:func:`posbench.evaluation.stats.paired_difference`). A pair needs two
-common learnt seeds: one seed gives no interval and is listed as such, never as a verdict.
+model's accuracy on the standard test (an image task: on each protocol, ``canvas 14x14 (56 px)``),
+paired by seed over the seeds that learnt the task at C in *both* groups (a run not learnt at C
+makes no claim past C), with a Student-t interval over the per-seed differences
+(:func:`posbench.evaluation.stats.paired_difference`). A pair needs two common learnt seeds: one
+seed gives no interval and is listed as such, never as a verdict.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Sequence
 
 from posbench.evaluation.stats import Interval, paired_difference
 from posbench.report.tasks import TaskTable, plain_entries
+from posbench.tasks.base import STANDARD
 
 METRIC = "accuracy"
 
@@ -42,28 +44,30 @@ class TaskPair:
         return "not distinguishable"
 
 
-def accuracy_by_seed(table: TaskTable, label: str, length: int) -> dict[int, float]:
-    """seed -> the accuracy at ``length`` of the group's runs that learnt the task at C."""
+def accuracy_by_seed(table: TaskTable, label: str, length: int, test: str = STANDARD) -> dict[int, float]:
+    """seed -> the accuracy at ``length`` on test set ``test`` of the group's runs that learnt the task at C."""
     out = {}
     for run in table.learnt(label):
-        entry = plain_entries(run, METRIC).get(length)
+        entry = plain_entries(run, METRIC, test).get(length)
         if entry is not None and entry[METRIC].get("mean") is not None:
             out[run.seed] = float(entry[METRIC]["mean"])
     return out
 
 
 def task_pairs(tables: Sequence[TaskTable]) -> list[TaskPair]:
-    """Every pair of groups of every table at every length (groups in table order)."""
+    """Every pair of groups of every table at every length of each paired test set (groups in
+    table order); ``where`` names a test set other than the standard one."""
     rows = []
     for table in tables:
-        for length in table.lengths:
-            values = {label: accuracy_by_seed(table, label, length) for label in table.groups}
+        for test, length in itertools.product(table.paired_tests, table.lengths):
+            values = {label: accuracy_by_seed(table, label, length, test) for label in table.groups}
+            where = table.length_name(length) if test == STANDARD else f"{test} {table.length_name(length)}"
             for a, b in itertools.combinations(table.groups, 2):
                 common = tuple(sorted(set(values[a]) & set(values[b])))
                 if not common:
                     continue
                 diff = paired_difference(values[a], values[b]) if len(common) >= 2 else None
-                rows.append(TaskPair(table.label, table.length_name(length), a, b, common, diff))
+                rows.append(TaskPair(table.label, where, a, b, common, diff))
     return rows
 
 

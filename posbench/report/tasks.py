@@ -115,13 +115,17 @@ class TaskTable:
     tests: list[str] = field(default_factory=lambda: [STANDARD])
     grid: bool = False
     """A grid task (``layout`` grid): lengths are square grids, shown by side ("8x8"), and
-    ``by_position`` holds rings = max(row, col)."""
+    ``by_position`` holds rings = max(row, col) (an image task's pooled answer has none)."""
+    notes: dict[int, str] = field(default_factory=dict)
+    """length -> what follows its name (an image task's size in pixels: ``14x14 (56 px)``)."""
+    paired_tests: list[str] = field(default_factory=lambda: [STANDARD])
+    """The test sets ``tasks_paired.md`` compares on (the task's ``PAIRED_TESTS``)."""
 
     def length_name(self, length: int) -> str:
-        """``L=256 (1C)`` (``L=100``), or a grid's ``16x16``."""
+        """``L=256 (1C)`` (``L=100``), or a grid's ``16x16`` (an image's ``14x14 (56 px)``)."""
         if self.grid:
             side = math.isqrt(length)
-            return f"{side}x{side}"
+            return f"{side}x{side}{self.notes.get(length, '')}"
         return f"L={length} ({length // self.context}C)" if length % self.context == 0 else f"L={length}"
 
     def x(self, length: int) -> int:
@@ -167,9 +171,11 @@ def task_tables(runs: Sequence[RunRecord]) -> list[TaskTable]:
         tests = list(dict.fromkeys(test_set(e) for r in members for e in r.results["task"]["entries"]))
         groups = {g.label: g.runs for g in group_runs(members).values()}
         cls = task_class(task["name"])
+        notes = {L: cls.length_note(L, task.get("options") or {}) for L in lengths} if cls is not None else {}
+        paired = [t for t in (cls.PAIRED_TESTS if cls is not None else [STANDARD]) if t in tests]
         tables.append(TaskTable(task["name"], label, groups, lengths, list(task.get("metrics", ["accuracy"])),
                                 float(task.get("chance", 0.0)), min(r.train_context for r in members), tests,
-                                grid=cls is not None and cls.layout == "grid"))
+                                grid=cls is not None and cls.layout == "grid", notes=notes, paired_tests=paired))
     return tables
 
 
@@ -204,6 +210,13 @@ TEST_NOTES = {
                           "(the grid's most frequent symbol) and `one_offset` (the best single offset for every query)",
     ("same_line", STANDARD): "markers A and B: row, col or neither at B, balanced; baseline: `majority` (the most "
                              "common answer)",
+    ("fashion", "canvas"): "each test image pasted unchanged at a seeded place on a blank canvas of the size (the "
+                           "training scale at new positions), one pooled answer per image; the learnt-at-C gate reads "
+                           "this test set. Baselines: nearest class centroid (fitted on the training images) of the "
+                           "histogram of the ink pixel values, `ink_histogram` normalised, `ink_counts` raw: guesses "
+                           "that read no position",
+    ("fashion", "zoom"): "each test image upsampled to the size (bilinear: the object fills the grid, each patch a "
+                         "smaller part of it), one pooled answer per image; baselines as for canvas",
 }
 """One line per test set in tasks.md (docs/tasks.md and docs/grid.md describe them)."""
 
@@ -333,7 +346,7 @@ def tables_csv(tables: Sequence[TaskTable]) -> str:
 
 
 SHORTCUTS = ("previous_bit", "previous_symbol", "most_frequent", "in_context", "elimination", "unchanged", "all_dead",
-             "one_offset", "majority")
+             "one_offset", "majority", "ink_histogram", "ink_counts")
 """Baselines drawn as the best shortcut line (the window-C oracle is drawn apart)."""
 
 

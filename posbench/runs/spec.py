@@ -150,7 +150,8 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise PosbenchError(f"seed must be an integer, got {seed!r}")
     # eval.probes: the trainer checks them; a grid task checks its own (square grids, twice the side)
-    evaluation.check_lengths(trainer.context, need_headline=not is_grid_task(cfg.get("task")))
+    grid = is_grid_task(cfg.get("task"))
+    evaluation.check_lengths(trainer.context, need_headline=not grid, grid=grid)
     longest = max(max(evaluation.lengths), trainer.context)
     if probe.max_positions is not None and longest > probe.max_positions:
         raise PosbenchError(
@@ -162,6 +163,8 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
         data.check_path_is_read()
     task, task_options = task_config(cfg.get("task"), trainer, evaluation)
     model = replace(model, layout=check_layout(probe, task))
+    if task is not None:  # an image task's patch embedding and pooled head (docs/images.md)
+        model = replace(model, patch_dim=task.patch_dim, head=task.head)
     # Refused (or skipped with a line) now, not after training; on the grid only the per-axis rules.
     evaluation = replace(evaluation, extension=resolve_extensions(evaluation.extension, probe, log=logger.info,
                                                                   layout=model.layout))
@@ -206,6 +209,8 @@ def task_config(section: Any, trainer: TrainerConfig, evaluation: EvalConfig) ->
     options = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
     task = make_task(options, trainer.context)
     task.check_lengths(evaluation.lengths)
+    task.check_sizes({"eval.num_sequences": evaluation.num_sequences, "trainer.val_sequences": trainer.val_sequences,
+                      "trainer.val_extrapolation_sequences": trainer.val_extrapolation_sequences})
     if evaluation.probes:
         raise PosbenchError(f"eval.probes={list(evaluation.probes)} read text, and task={task.name} runs have none; "
                             "drop eval.probes (the task's own accuracy is the measurement)")

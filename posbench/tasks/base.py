@@ -67,11 +67,17 @@ class Batch:
     """Generated sequences: ``tokens`` ``(N, L + 1)`` int64 (inputs ``[:, :-1]``), ``answers``
     ``(N, L)`` bool: target ``t`` is scored, and ``labels`` ``(N, L)``: the targets when they are
     not the next input (MQAR's values are labels only, never inputs); None = the next input,
-    ``tokens[:, 1:]``."""
+    ``tokens[:, 1:]``.
+
+    ``features`` ``(N, L, F)`` float32: continuous inputs in place of token ids (an image's
+    patches; the model embeds them with its patch embedding, ``model.patch_dim`` = F); the tokens
+    are then placeholders that only carry the length. A task with a pooled answer (one per
+    sequence, :attr:`Task.head` ``pooled``) has ``answers`` and ``labels`` of shape ``(N, 1)``."""
 
     tokens: np.ndarray
     answers: np.ndarray
     labels: np.ndarray | None = None
+    features: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -88,12 +94,20 @@ class Batch:
         return self.tokens[:, 1:] if self.labels is None else self.labels
 
     def fingerprint_ids(self) -> np.ndarray:
-        """What identifies the sequences: the tokens, and the labels when there are any."""
-        return self.tokens if self.labels is None else np.concatenate([self.tokens, self.labels], axis=1)
+        """What identifies the sequences: the tokens, the labels when there are any, and the
+        features' bits when there are any."""
+        parts = [self.tokens] + ([] if self.labels is None else [self.labels])
+        if self.features is not None:
+            parts.append(np.ascontiguousarray(self.features, dtype=np.float32).reshape(len(self.tokens), -1).view(np.int32))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
     def inputs_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)`` int64 tensors ``(N, L)``; ``y`` holds :data:`IGNORE` off the answers."""
-        x = torch.from_numpy(self.inputs.astype(np.int64))
+        """``(x, y)``: int64 token ids ``(N, L)`` (or the float32 ``features`` ``(N, L, F)``) and
+        int64 targets ``(N, L)`` (``(N, 1)`` for a pooled answer) holding :data:`IGNORE` off the answers."""
+        if self.features is not None:
+            x = torch.from_numpy(np.ascontiguousarray(self.features, dtype=np.float32))
+        else:
+            x = torch.from_numpy(self.inputs.astype(np.int64))
         y = torch.from_numpy(self.targets.astype(np.int64))  # a copy (astype)
         y[~torch.from_numpy(self.answers)] = IGNORE
         return x.contiguous(), y
@@ -114,9 +128,20 @@ class Task:
     bidirectional grid encoder, :mod:`posbench.tasks.grid`); the run spec sets ``model.layout`` from it."""
     vocab: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ("accuracy",)
+    head: str = "tokens"
+    """``tokens``: an answer is a token's label (the LM head at every position); ``pooled``: one
+    answer per sequence, read from the mean of the final hidden states (``answers`` ``(N, 1)``).
+    The run spec sets ``model.head`` from it."""
+    patch_dim: int | None = None
+    """None: the inputs are token ids; F: they are ``Batch.features`` of F floats per token,
+    embedded by the model's patch embedding (the run spec sets ``model.patch_dim``)."""
     TESTS: tuple[str, ...] = (STANDARD,)
-    """The test sets the task can generate (``task.tests`` picks among them; default: the
-    standard one); their order fixes their random streams (never reorder)."""
+    """The test sets the task can generate (``task.tests`` picks among them); their order fixes
+    their random streams (never reorder). The first is the reference test: the default of
+    ``task.tests`` and the one the learnt-at-C gate reads (the standard one, but for tasks
+    without one)."""
+    PAIRED_TESTS: tuple[str, ...] = (STANDARD,)
+    """The test sets ``tasks_paired.md`` compares methods on."""
     LEARNT_AT_C: float = 0.9
     """Default of ``task.learnt_at_c``: the accuracy at C on the standard test that a run must
     reach to count as having learnt the task (else it is never averaged into a claim past C)."""
@@ -125,8 +150,8 @@ class Task:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy seeds are >= 0
             raise PosbenchError(f"task.seed must be an integer >= 0, got {seed!r}")
         self.context, self.seed = context, seed
-        # the standard test alone unless asked (configs/task/*.yaml ask for every test set)
-        self.tests = (STANDARD,) if tests is None else tuple(tests) if isinstance(tests, (list, tuple)) else (tests,)
+        # the reference test alone unless asked (configs/task/*.yaml ask for every test set)
+        self.tests = self.TESTS[:1] if tests is None else tuple(tests) if isinstance(tests, (list, tuple)) else (tests,)
         unknown = [t for t in self.tests if t not in self.TESTS]
         if unknown or not self.tests or len(set(self.tests)) < len(self.tests):
             raise PosbenchError(f"task.tests={list(self.tests)!r}: choose distinct test sets among "
@@ -205,9 +230,20 @@ class Task:
         return 2 * self.context
 
     def beyond_context(self, length: int) -> np.ndarray:
-        """(L,) bool: the targets of a ``length``-long sequence that lie past the training
-        context (positions >= C), those the in-training ``val_accuracy_<C>_<2C>`` reads."""
+        """(L,) bool (an answer slot per target; ``(1,)`` for a pooled answer): the targets of a
+        ``length``-long sequence that lie past the training context (positions >= C), those the
+        in-training ``val_accuracy_<C>_<2C>`` reads."""
         return np.arange(length) >= self.context
+
+    def check_sizes(self, sizes: dict[str, int]) -> None:
+        """Refuse held-out sets larger than the task can fill (one line): ``sizes`` maps each
+        setting (``eval.num_sequences``, ``trainer.val_sequences``, ...) to its count. A generated
+        task fills any; an image task has as many images as its split."""
+
+    @classmethod
+    def length_note(cls, length: int, options: dict[str, Any]) -> str:
+        """Shown after a length's name in the tables (an image task: its size in pixels)."""
+        return ""
 
     def check_lengths(self, lengths: Sequence[int]) -> None:
         """Refuse evaluation ``lengths`` before any work, naming at once what all of them need."""

@@ -31,21 +31,25 @@ def _check_images(images: torch.Tensor) -> None:
         raise PosbenchError(f"images must be (N, H, W), got shape {tuple(images.shape)}")
 
 
-def canvas(images: torch.Tensor, size: int | tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def canvas(images: torch.Tensor, size: int | tuple[int, int], seed: int,
+           step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Each image pasted unchanged onto a blank (zero) ``size`` canvas at a seeded uniform offset.
 
     images: (N, H, W), any dtype. Returns the canvases (N, S_h, S_w), same dtype, and the
     offsets (N, 2) int64 (top row, left column) of each image. The same seed gives the same
-    offsets on every machine (a CPU ``torch.Generator``)."""
+    offsets on every machine (a CPU ``torch.Generator``). ``step``: the offsets are multiples of
+    it (the patch size: the image's patches are cut exactly as at its own size, at other cells)."""
     _check_images(images)
     n, h, w = images.shape
     size_h, size_w = _size2(size)
     if size_h < h or size_w < w:
         raise PosbenchError(f"canvas size {size_h}x{size_w} is smaller than the images ({h}x{w}); "
                             f"pick a canvas at least as large as the image")
+    if step < 1:
+        raise PosbenchError(f"canvas step {step} must be a positive number of pixels")
     gen = torch.Generator().manual_seed(seed)
-    rows = torch.randint(0, size_h - h + 1, (n,), generator=gen)  # (N,)
-    cols = torch.randint(0, size_w - w + 1, (n,), generator=gen)  # (N,)
+    rows = torch.randint(0, (size_h - h) // step + 1, (n,), generator=gen) * step  # (N,)
+    cols = torch.randint(0, (size_w - w) // step + 1, (n,), generator=gen) * step  # (N,)
     out = images.new_zeros((n, size_h, size_w))  # (N, S_h, S_w)
     for i, (r, c) in enumerate(zip(rows.tolist(), cols.tolist())):
         out[i, r:r + h, c:c + w] = images[i]

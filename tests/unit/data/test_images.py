@@ -242,6 +242,20 @@ def test_canvas_rectangular_and_same_size():
         canvas(images, 27, seed=0)
 
 
+def test_canvas_offsets_on_a_step_grid():
+    """step=p puts each image on the patch grid: its patches are cut as at its own size."""
+    images = load_images("sample", "test").images[:60]
+    out, offsets = canvas(images, 112, seed=5, step=4)
+    assert offsets.remainder(4).eq(0).all() and offsets.max() <= 112 - 28
+    assert len({tuple(o) for o in offsets.tolist()}) > 40  # still spread over the 22 x 22 places
+    for i, (r, c) in enumerate(offsets.tolist()):
+        assert torch.equal(out[i, r:r + 28, c:c + 28], images[i])
+    assert torch.equal(canvas(images, 112, seed=5, step=1)[1], canvas(images, 112, seed=5)[1])  # step 1: as before
+    assert not canvas(images, 112, seed=5)[1].remainder(4).eq(0).all()
+    with pytest.raises(PosbenchError, match="canvas step 0 must be a positive number of pixels"):
+        canvas(images, 56, seed=0, step=0)
+
+
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic", "nearest"])
 def test_zoom_equals_interpolate(mode):
     images = load_images("sample", "test").images[:8]

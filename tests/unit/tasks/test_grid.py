@@ -260,6 +260,7 @@ def as_sequence_task(run):
     ("[64]", r"eval.lengths \[64\] has no grid of twice the training side \(\(2 x 8\)\^2 = 256 cells\)"
              r".*e.g. eval.lengths=\[64,256\]$"),
     ("[64,128]", "eval.lengths=128 is not a square grid"),
+    ("[16,64,256]", r"has a length below trainer.context=64; .* e.g. eval.lengths=\[64,256\]$"),  # was [128]: no grid
 ])
 def test_grid_eval_lengths_name_a_grid_that_exists(lengths, message):
     """A grid run's lengths were checked as a sequence run's: it asked for 2C = 128 cells, which is
