@@ -162,13 +162,16 @@ def check_command_line(command: str, argv: list[str]) -> tuple[list[str], list[A
     sweeps = [o for o in overrides if o.is_sweep_override()]
     for override in overrides:
         _check_override(command, override)
+    params = _config_params(command, overrides)  # what the config's own sweeper sets per job
+    sweeps += [o for o in params if o.is_sweep_override()]
+    fixed = [o.input_line for o in params if not o.is_sweep_override()]
     first = {id(o): _sweep_values(o)[:1] for o in sweeps}
     keyed = {o.key_or_group.split(".")[0] for o in plain if _is_plain_key(o)}
     jobs = []  # every option of a swept group that a plain key sets; the first of the others
     for swept in [o for o in sweeps if o.key_or_group in keyed] or [None]:
         for value in _sweep_values(swept) if swept is not None else [None]:
             chosen = [_element(o, value if o is swept else first[id(o)][0]) for o in sweeps if first[id(o)]]
-            jobs.append(_compose(command, [o.input_line for o in plain] + chosen))
+            jobs.append(_compose(command, [o.input_line for o in plain] + fixed + chosen))
     sweep_cfg = _compose(command, [o.input_line for o in plain if not _missing(command, o)])
     handed = []
     for text, override in zip(texts, overrides):
@@ -176,6 +179,27 @@ def check_command_line(command: str, argv: list[str]) -> tuple[list[str], list[A
             text = "++" + text  # every job has the key (checked in _compose); the sweep's config has not
         handed.append(text)
     return _rebuilt(argv, args.overrides, handed), jobs
+
+
+def _config_params(command: str, overrides: list[Any]) -> list[Any]:
+    """What a config sets in ``hydra.sweeper.params`` (``experiment=grid``: seed, task, method)
+    and the command line does not replace, as overrides: the jobs they make need the same checks
+    as a command-line sweep's (``task.learnt_at_c=0`` with ``experiment=grid``)."""
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    choices = [o.input_line for o in overrides if not _is_plain_key(o) and not o.is_sweep_override()]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Hydra's notes on launcher schemas: Hydra prints them itself
+        try:
+            cfg = compose(config_name=command, overrides=choices, return_hydra_config=True)
+        except HydraException:
+            return []  # _compose reports it
+    params = cfg.hydra.get("sweeper", {}).get("params") or {}
+    given = {o.key_or_group for o in overrides}
+    return [_parse(f"{key}={value}") for key, value in params.items() if key not in given]
 
 
 def _rebuilt(argv: list[str], given: list[str], handed: list[str]) -> list[str]:

@@ -91,6 +91,24 @@ def test_a_plain_key_of_a_swept_group_works_in_a_sweep(tmp_path):
     assert len(configs) == 2 and all("seed: 3" in c.read_text().split("task:")[1] for c in configs)
 
 
+def test_a_plain_key_of_a_group_that_the_experiment_sweeps_works():
+    """`-m experiment=grid task.learnt_at_c=0`: the task is swept by the experiment's
+    hydra.sweeper.params, not the command line, and the plain key was refused ("no task is
+    chosen"); each task the experiment sweeps is checked and the key is handed on as ++."""
+    from posbench.config import check_command_line
+    from posbench.core.errors import PosbenchError
+
+    args, jobs = check_command_line("train", ["-m", "experiment=grid", "task.learnt_at_c=0"])
+    assert args == ["-m", "experiment=grid", "++task.learnt_at_c=0"]
+    assert [(job.task.name, job.task.learnt_at_c) for job in jobs] == [("life", 0), ("lookup", 0), ("same_line", 0)]
+    args, jobs = check_command_line("train", ["-m", "experiment=grid", "task=lookup", "task.learnt_at_c=0"])
+    assert args[3] == "task.learnt_at_c=0" and [job.task.name for job in jobs] == ["lookup"]  # the command line wins
+    with pytest.raises(PosbenchError, match="num_symbolz"):
+        check_command_line("train", ["-m", "experiment=grid", "task.num_symbolz=3"])
+    args, jobs = check_command_line("train", ["-m", "experiment=images", "task.learnt_at_c=0"])  # task: fashion, one value
+    assert args[2] == "++task.learnt_at_c=0" and [(j.task.name, j.task.learnt_at_c) for j in jobs] == [("fashion", 0)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, message",
