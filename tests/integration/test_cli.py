@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ENV, QUICK_TRAIN, posbench_cli, results_of
+from helpers import ENV, QUICK_TRAIN, posbench_cli, results_of, run_train
 
 import posbench
 
@@ -214,13 +214,13 @@ def test_submitit_local_launcher_runs_a_tiny_sweep(tmp_path):
 @pytest.mark.slow
 def test_torchrun_two_processes_match_one_process(tmp_path):
     """DDP on 2 CPU processes (gloo) with the same global batch follows the 1-process loss curve."""
-    common = [*QUICK_TRAIN, "method=rope", "trainer.max_steps=6", "trainer.log_every=1"]
+    overrides = ["method=rope", "trainer.max_steps=6", "trainer.log_every=1"]
     single, double = tmp_path / "single", tmp_path / "ddp"
-    posbench_cli("train", *common, f"hydra.run.dir={single}")
+    run_train(single, *overrides)  # the 1-process reference, in process (test_train_eval_plot_round_trip runs the CLI)
     proc = subprocess.run(
         # --standalone: a free local port per run, so parallel or leftover runs never collide.
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "posbench.commands.cli", "train", *common, f"hydra.run.dir={double}"],
+         "-m", "posbench.commands.cli", "train", *QUICK_TRAIN, *overrides, f"hydra.run.dir={double}"],
         capture_output=True, text=True, env=ENV, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
