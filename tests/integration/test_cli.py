@@ -255,6 +255,13 @@ def test_shell_completion_routes_to_the_subcommand(line, expected):
     assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr
 
 
+def test_posbench_subprocesses_use_the_tests_token_cache():
+    """helpers.ENV, the environment of `posbench` subprocesses, is made when helpers is imported,
+    before the session's temporary cache exists: the subprocesses prepared data in the user's cache."""
+    assert ENV["POSBENCH_CACHE"] == os.environ["POSBENCH_CACHE"]
+    assert ENV["POSBENCH_CACHE"] != os.path.expanduser("~/.cache/posbench")
+
+
 def test_results_files_are_readable_by_others(tmp_path):
     from posbench.core.io import write_json_atomic
 
