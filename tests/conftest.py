@@ -43,18 +43,23 @@ def tiny_corpus() -> dict[str, list[str]]:
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Every test shares one token cache in a temp dir, never the user's ~/.cache/posbench."""
+    """Every test shares one token cache in a temp dir, never the user's ~/.cache/posbench: the
+    `posbench` subprocesses too (helpers.ENV, their environment, was made before this cache)."""
     import os
+
+    import helpers
 
     cache = tmp_path_factory.mktemp("posbench-cache")
     old = os.environ.get("POSBENCH_CACHE")
-    os.environ["POSBENCH_CACHE"] = str(cache)
+    for env in (os.environ, helpers.ENV):
+        env["POSBENCH_CACHE"] = str(cache)
     os.environ.setdefault("MPLBACKEND", "Agg")
     yield cache
-    if old is None:
-        os.environ.pop("POSBENCH_CACHE", None)
-    else:
-        os.environ["POSBENCH_CACHE"] = old
+    for env in (os.environ, helpers.ENV):
+        if old is None:
+            env.pop("POSBENCH_CACHE", None)
+        else:
+            env["POSBENCH_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

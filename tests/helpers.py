@@ -66,11 +66,21 @@ def posbench_cli(*args: str, cwd: Path | None = None, env: dict | None = None, c
     return proc
 
 
-def run_train(run_dir: Path, *overrides: str, log=QUIET, **kwargs) -> dict:
-    """Train a quick tiny run (QUICK_TRAIN, then ``overrides``) into ``run_dir``; its results."""
+def run_train(run_dir: Path, *overrides: str, log=QUIET, figures: bool = False, **kwargs) -> dict:
+    """Train a quick tiny run (QUICK_TRAIN, then ``overrides``) into ``run_dir``; its results.
+
+    The run's figures (``figures/``, drawn after results.json by ``write_run_figures``, which never
+    fails a run) only with ``figures=True``: drawing them took about three quarters of a quick run's
+    time. A test of those figures asks for them; ``posbench train`` in a subprocess always draws them."""
+    from unittest import mock
+
     from posbench.train.trainer import train
 
-    return train(compose_config("train", [*QUICK_TRAIN, *overrides]), run_dir, log=log, **kwargs)
+    cfg = compose_config("train", [*QUICK_TRAIN, *overrides])
+    if figures:
+        return train(cfg, run_dir, log=log, **kwargs)
+    with mock.patch("posbench.train.final.write_run_figures", return_value=[]):
+        return train(cfg, run_dir, log=log, **kwargs)
 
 
 def interrupted(run_dir: Path, *overrides: str, at: int = 2) -> None:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ENV, QUICK_TRAIN, posbench_cli, results_of
+from helpers import ENV, QUICK_TRAIN, posbench_cli, results_of, run_train
 
 import posbench
 
@@ -115,11 +115,12 @@ def test_a_plain_key_of_a_group_that_the_experiment_sweeps_works():
     [
         (["model.n_layers=abc"], "model.n_layers must be an integer, got 'abc'"),
         (["trainer.lr=-0.1"], "trainer.lr must be positive"),
-        (["data=local", "data.path=/no/such/dir"], "/no/such/dir"),
         (["model.attention=flex"], "model.attention=flex cannot train on the CPU (FlexAttention has no CPU backward); use model.attention=sdpa"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(tmp_path, overrides, message):
+    """(A data.path that does not exist: test_config_errors_are_one_posbench_line_with_the_fix runs
+    that same command and checks more: exactly one line, nothing written.)"""
     proc = posbench_cli("train", *QUICK_TRAIN, *overrides, f"hydra.run.dir={tmp_path / 'run'}", check=False)
     assert proc.returncode == 2
     assert message in proc.stderr
@@ -231,13 +232,13 @@ def test_submitit_local_launcher_runs_a_tiny_sweep(tmp_path):
 @pytest.mark.slow
 def test_torchrun_two_processes_match_one_process(tmp_path):
     """DDP on 2 CPU processes (gloo) with the same global batch follows the 1-process loss curve."""
-    common = [*QUICK_TRAIN, "method=rope", "trainer.max_steps=6", "trainer.log_every=1"]
+    overrides = ["method=rope", "trainer.max_steps=6", "trainer.log_every=1"]
     single, double = tmp_path / "single", tmp_path / "ddp"
-    posbench_cli("train", *common, f"hydra.run.dir={single}")
+    run_train(single, *overrides)  # the 1-process reference, in process (test_train_eval_plot_round_trip runs the CLI)
     proc = subprocess.run(
         # --standalone: a free local port per run, so parallel or leftover runs never collide.
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "posbench.commands.cli", "train", *common, f"hydra.run.dir={double}"],
+         "-m", "posbench.commands.cli", "train", *QUICK_TRAIN, *overrides, f"hydra.run.dir={double}"],
         capture_output=True, text=True, env=ENV, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -270,6 +271,13 @@ def test_shell_completion_routes_to_the_subcommand(line, expected):
     proc = subprocess.run([sys.executable, "-m", "posbench.commands.cli", "-sc", "query=bash"], capture_output=True,
                           text=True, env={**ENV, "COMP_LINE": line}, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr
+
+
+def test_posbench_subprocesses_use_the_tests_token_cache():
+    """helpers.ENV, the environment of `posbench` subprocesses, is made when helpers is imported,
+    before the session's temporary cache exists: the subprocesses prepared data in the user's cache."""
+    assert ENV["POSBENCH_CACHE"] == os.environ["POSBENCH_CACHE"]
+    assert ENV["POSBENCH_CACHE"] != os.path.expanduser("~/.cache/posbench")
 
 
 def test_results_files_are_readable_by_others(tmp_path):

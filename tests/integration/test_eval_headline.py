@@ -162,7 +162,7 @@ def test_validation_subset_is_spread_seeded_and_the_same_for_every_method(tmp_pa
 
 
 @pytest.mark.slow
-def test_validation_subset_mean_estimates_the_full_band_on_the_sample(tmp_path):
+def test_validation_subset_mean_estimates_the_full_band_on_the_sample():
     """On the packaged TinyStories sample at C = 256 (experiment=cpu_quick's data and windows):
     the per-window mean surprisal of the C-2C targets under the training text's unigram
     distribution (a cheap stand-in for a model's loss, which varies by text as it does) over the
@@ -171,7 +171,7 @@ def test_validation_subset_mean_estimates_the_full_band_on_the_sample(tmp_path):
     from posbench.data import DataConfig, prepare_data
     from posbench.data.loader import eval_sequences, spread_sequences
 
-    prepared = prepare_data(DataConfig(source="sample", cache_dir=str(tmp_path)).validate(), log=QUIET)
+    prepared = prepare_data(DataConfig(source="sample").validate(), log=QUIET)  # the tests' shared token cache
     counts = np.bincount(prepared.train_tokens(), minlength=prepared.vocab_size) + 1.0
     surprisal = -np.log(counts / counts.sum())
     valid = prepared.valid_tokens()

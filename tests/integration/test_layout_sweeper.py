@@ -32,6 +32,7 @@ def test_a_text_sweep_leaves_out_the_grid_methods(tmp_path):
     assert "axial_rope" in (proc.stderr + proc.stdout)
 
 
+@pytest.mark.slow  # a CLI sweep; test_job_layouts_of_composed_jobs guards the sweeper in the fast lane
 def test_a_sweep_of_no_method_made_for_its_model_is_one_line(tmp_path):
     proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=axial_rope,mixed_rope", f"hydra.sweep.dir={tmp_path / 's'}",
                         check=False)

@@ -22,7 +22,7 @@ from posbench.train.trainer import TrainingInterrupted, train
 
 @pytest.mark.slow
 def test_train_writes_a_complete_run_directory(tmp_path):
-    results = run_train(tmp_path, "method=rope", "trainer.val_every=3")
+    results = run_train(tmp_path, "method=rope", "trainer.val_every=3", figures=True)
     for name in ("config.yaml", "metrics.jsonl", "results.json", "status.json"):
         assert (tmp_path / name).is_file(), name
     assert list_checkpoints(tmp_path), "final checkpoint missing"

@@ -122,18 +122,16 @@ def test_sweep_callback_adds_the_viz_pictures(trained_sweep):
 
 
 @pytest.mark.slow
-def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypatch):
+def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypatch, trained_run):
     """Rope's q.k decay comes from its definition, so naming the run's step
     (``rope, step 400``) misleads; a method with trained q/k parameters keeps the step."""
     import posbench.viz.draw as viz
-    from posbench.train.trainer import train
 
     titles = []
     original = viz.qk_decay_figure
     monkeypatch.setattr(viz, "qk_decay_figure", lambda curves, context, title: titles.append(title)
                         or original(curves, context, title))
-    run = tmp_path / "rope-s0"
-    train(compose_config("train", [*QUICK_TRAIN, "method=rope"]), run, log=lambda _: None)
+    run = trained_run("method=rope").rename(tmp_path / "rope-s0")
     run_viz(compose_config("viz", [f"run={run}", f"out={tmp_path / 'viz'}", "attention.num_sequences=2"]),
             log=lambda _: None)
     (title,) = titles
@@ -141,17 +139,15 @@ def test_qk_decay_of_a_run_is_titled_as_analytic_not_by_step(tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_viz_of_a_task_run_draws_attention_on_its_task_sequences(tmp_path, monkeypatch):
+def test_viz_of_a_task_run_draws_attention_on_its_task_sequences(tmp_path, monkeypatch, trained_run):
     """A task run (task=flipflop) has no text: viz asked the hub for TinyStories and told the
     user to use data=sample. Its attention is now measured on the task's own held-out sequences."""
     from posbench.runs.load import load_run
     from posbench.tasks.base import VALID, make_task
-    from posbench.train.trainer import train
     from posbench.viz import attention as viz
     from posbench.viz.settings import AttentionSettings
 
-    run_dir = tmp_path / "flipflop-rope-s0"
-    train(compose_config("train", [*QUICK_TRAIN, "task=flipflop", "method=rope"]), run_dir, log=lambda _: None)
+    run_dir = trained_run("task=flipflop", "method=rope").rename(tmp_path / "flipflop-rope-s0")
 
     def no_text(*args, **kwargs):
         raise AssertionError("a task run has no text to load")

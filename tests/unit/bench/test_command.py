@@ -176,6 +176,9 @@ def test_short_forms_of_the_command_line(override, field, value):
     """What the command line writes short stays accepted as before the settings were typed."""
     settings, _ = settings_from_config(compose_bench("model=tiny", override))
     assert getattr(settings, field) == value
+
+
+def test_methods_null_is_every_method():
     assert settings_from_config(compose_bench("model=tiny", "methods=null"))[0].methods == posbench.list_methods()
 
 

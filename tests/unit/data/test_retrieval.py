@@ -20,10 +20,12 @@ from posbench.data.retrieval import (
 CONTEXT = 256
 
 
-@pytest.fixture(scope="module")
-def prepared():
-    """The TinyStories sample with its own BPE: the tokenizer of experiment=cpu_quick."""
-    return prepare_data(DataConfig(source="sample").validate(), log=lambda _: None)
+@pytest.fixture(scope="module", params=["synthetic", pytest.param("sample", marks=pytest.mark.slow)])
+def prepared(request):
+    """The TinyStories sample with its own BPE (the tokenizer of experiment=cpu_quick: preparing it
+    takes seconds, so the slow lane's) and the generated text of data=synthetic with its own BPE
+    (the fast lane's: the quick training runs prepare it anyway)."""
+    return prepare_data(DataConfig(source=request.param).validate(), log=lambda _: None)
 
 
 def inserter(prepared, seed: int = 0, **settings) -> Inserter:

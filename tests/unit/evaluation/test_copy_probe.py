@@ -390,16 +390,15 @@ def test_merge_keeps_other_probe_entries() -> None:
 
 @pytest.mark.slow
 def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
-    from helpers import QUICK_TRAIN, compose_config
+    from helpers import compose_config, run_train
 
     from posbench.commands.eval import evaluate_saved_run
     from posbench.runs.schema import read_results
-    from posbench.train.trainer import train
 
     probe_options = ["eval.probes=[copy]", "eval.copy.distances=[8,40]", "eval.copy.span=4",
                      "eval.copy.num_windows=4", "eval.copy.kinds=[random]"]
     run, other = tmp_path / "probed", tmp_path / "plain"
-    train(compose_config("train", [*QUICK_TRAIN, *probe_options]), run, log=lambda _: None)
+    run_train(run, *probe_options)
     results = read_results(run)
     (entry,) = results["probes"]
     assert entry["probe"] == "copy" and entry["extension"] == "none" and entry["kinds"] == ["random"]
@@ -415,7 +414,7 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     assert again["probes"][0]["checkpoint_step"] == 6
     # training without eval.probes writes no probe entries (the default)
     # (another seed: a second run of one seed would be shown apart as a copy, not pooled)
-    train(compose_config("train", [*QUICK_TRAIN, "seed=1"]), other, log=lambda _: None)
+    run_train(other, "seed=1")
     assert "probes" not in read_results(other)
     # posbench plot: the figure and the table, the extension as its own row; the run without probes is left out
     from posbench.report.plot import plot_runs

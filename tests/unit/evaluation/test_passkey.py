@@ -24,9 +24,12 @@ from posbench.evaluation.probes.passkey import (
 )
 
 
-@pytest.fixture(scope="module")
-def prepared():
-    return prepare_data(DataConfig(source="sample").validate(), log=lambda _: None)
+@pytest.fixture(scope="module", params=["synthetic", pytest.param("sample", marks=pytest.mark.slow)])
+def prepared(request):
+    """The TinyStories sample with its own BPE (the tokenizer of experiment=cpu_quick: preparing it
+    takes seconds, so the slow lane's) and the generated text of data=synthetic with its own BPE
+    (the fast lane's: the quick training runs prepare it anyway)."""
+    return prepare_data(DataConfig(source=request.param).validate(), log=lambda _: None)
 
 
 def find(row: list[int], pattern: list[int], last: bool = False) -> int:

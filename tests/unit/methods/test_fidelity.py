@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK_TRAIN, compose_config
+from helpers import run_train
 from model_checks import assert_matches_reference
 
 import posbench
@@ -17,7 +17,6 @@ from posbench.config import load_group_option
 from posbench.methods import ModelDims, build_method, dense_score
 from posbench.methods.base import ParameterDrift
 from posbench.methods.t5 import causal_bucket
-from posbench.train.trainer import train
 
 LEARNED = ["learned", "t5", "relative", "abs_attention", "cope", "fire", "kerple", "fox"]
 
@@ -154,7 +153,7 @@ def test_drift_is_the_relative_movement_and_absolute_from_zero():
 
 @pytest.mark.slow
 def test_training_logs_position_parameter_norms_and_movement_at_each_validation(tmp_path):
-    results = train(compose_config("train", [*QUICK_TRAIN, "method=t5", "trainer.val_every=3"]), tmp_path, log=lambda _: None)
+    results = run_train(tmp_path, "method=t5", "trainer.val_every=3")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val_rows = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val_rows] == [3, 6]

@@ -268,13 +268,12 @@ def test_position_is_restored_when_evaluation_fails():
 
 
 @pytest.mark.slow
-def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path):
+def test_cli_eval_under_extensions_then_plot_the_matrix(tmp_path, trained_run):
     import json
 
     from helpers import QUICK_TRAIN, posbench_cli
 
-    run = tmp_path / "run"
-    posbench_cli("train", *QUICK_TRAIN, "method=rope", f"hydra.run.dir={run}")
+    run = trained_run("method=rope")  # the quick rope run (test_cli.py trains one through the command line)
     # On the run's own windows (its eval.num_sequences): the extensions join its entries.
     posbench_cli("eval", f"run={run}", "eval.extension=[none,linear,ntk,yarn]", "eval.lengths=[64,128]")
     entries = json.loads((run / "results.json").read_text())["eval"]

@@ -71,7 +71,7 @@ def test_a_trained_text_run_results_json_is_declared(trained_run):
 def test_entries_posbench_eval_adds_are_declared(trained_run):
     """After posbench eval: an entry added at a new length, a variant (other windows) and the
     keys it stamps on every entry (data, checkpoint_step, precision)."""
-    run_dir = trained_run()
+    run_dir = trained_run("method=rope")  # the default method: the rope run other tests train too
     run_eval(run_dir, "eval.lengths=[64,96]", "eval.num_sequences=2")
     results = results_of(run_dir)
     assert mismatches(results, Results, "results") == []

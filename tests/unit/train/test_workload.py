@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from helpers import compose_config
+from helpers import QUICK_TRAIN, compose_config
 
 from posbench.runs.spec import build_spec
 from posbench.tasks import IGNORE
@@ -38,7 +38,8 @@ def test_make_workload_picks_the_task_generator_or_the_prepared_text():
     assert workload.identity() == {"task": f"flipflop:{sorted(data_options.items())}"}
     assert workload.record()["meta"]["vocab"] == list(task_spec.task.vocab)
 
-    text_spec = build_spec(compose_config("train", ["experiment=cpu_quick"]))
+    # data=synthetic, which the quick runs prepare anyway (the packaged sample took seconds to prepare)
+    text_spec = build_spec(compose_config("train", QUICK_TRAIN))
     workload = make_workload(text_spec, print)
     assert isinstance(workload, TextWorkload)
     assert all(hasattr(workload, name) for name in protocol_members())
