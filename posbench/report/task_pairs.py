@@ -1,7 +1,9 @@
 """Paired differences of task accuracy between methods, by seed (``tasks_paired.md``).
 
 For every task table, every pair of groups (A, B) and every length, A minus B of the plain
-model's accuracy on the standard test (an image task: on each protocol, ``canvas 14x14 (56 px)``),
+model's accuracy on each test set the task pairs on (``PAIRED_TESTS``: flip-flop's standard,
+sparse and far tests, copy's standard and shifted ones, an image task's protocols; a row names a
+test set other than the standard one, ``sparse L=512 (8C)``),
 paired by seed over the seeds that learnt the task at C in *both* groups (a run not learnt at C
 makes no claim past C), with a Student-t interval over the per-seed differences
 (:func:`posbench.evaluation.stats.paired_difference`). A pair needs two common learnt seeds: one
@@ -80,7 +82,8 @@ def _interval_text(d: Interval | None) -> tuple[str, str]:
 def task_pairs_markdown(rows: Sequence[TaskPair]) -> str:
     """The pairs as one markdown table per task."""
     lines = ["# Synthetic tasks: paired differences of accuracy", "",
-             "A - B of the accuracy on the standard test (fraction of right answers; positive: A is "
+             "A - B of the accuracy on each paired test set (`where` names it when it is not the standard "
+             "one; fraction of right answers; positive: A is "
              "better), paired by seed over the seeds that learnt the task at C in both groups; 95 % "
              "Student-t interval over the per-seed differences. **not distinguishable**: the interval "
              "contains 0. With fewer than 2 common learnt seeds there is no interval and no verdict. "

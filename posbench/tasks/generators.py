@@ -34,6 +34,7 @@ class FlipFlop(Task):
     vocab = ("w", "i", "r", "0", "1")
     WRITE, IGNORE_OP, READ, ZERO = 0, 1, 2, 3
     TESTS = (STANDARD, "sparse", "far")
+    PAIRED_TESTS = TESTS  # the sparse and far tests are the ones whose lookback grows with length
     LEARNT_AT_C = 0.95
     SPARSE_P_IGNORE = 0.98
 
@@ -237,6 +238,7 @@ class Copy(Task):
     name = "copy"
     metrics = ("accuracy", "exact_match")
     TESTS = (STANDARD, "shifted")
+    PAIRED_TESTS = TESTS  # shifted: only the positions are new past C
 
     def __init__(self, context: int, *, seed: int = 0, num_symbols: int = 16, min_length: int = 1,
                  shifted_training: bool = False, tests: list[str] | None = None,

@@ -57,3 +57,25 @@ def test_a_clear_difference_is_called(tmp_path):
     runs += [run(tmp_path, "b", s, {64: 1.0, 256: 0.5 + 0.01 * s}) for s in range(3)]
     (row,) = [r for r in task_pairs(task_tables(runs)) if r.where == "16x16"]
     assert row.verdict == "A above B" and row.difference.mean == pytest.approx(0.4)
+
+
+def test_flipflop_and_copy_are_paired_on_their_length_true_tests_too(tmp_path):
+    """The standard flip-flop test's lookback does not grow with length and the standard copy
+    test mixes string length with position: verdicts past C must also come from the sparse, far
+    and shifted tests (they were paired on the standard test alone)."""
+    def task_run(task, tests, method, seed, value):
+        entries = [{"split": "test", "length": length, "extension": "none", "answers": 10, "test_set": test,
+                    "accuracy": {"mean": value if length > C else 1.0, "low": None, "high": None, "n": 10,
+                                 "kind": "bootstrap", "half_width": 0.0}, "by_position": {}, "baselines": {}}
+                   for test in tests for length in (C, 2 * C)]
+        return RunRecord(tmp_path / f"{task}-{method}-s{seed}", {
+            "method": method, "seed": seed, "train_context": C, "eval": [], "train": {"steps": 600},
+            "task": {"name": task, "options": {"seed": 0}, "metrics": ["accuracy"], "chance": 0.5, "entries": entries,
+                     "learnt_at_c": {"learnt": True, "value": 1.0, "threshold": 0.9}}})
+
+    for task, tests in (("flipflop", ["standard", "sparse", "far"]), ("copy", ["standard", "shifted"])):
+        runs = [task_run(task, tests, m, s, v + 0.01 * s) for m, v in (("alibi", 0.9), ("rope", 0.6)) for s in range(3)]
+        rows = [r for r in task_pairs(task_tables(runs)) if r.where.endswith("L=128 (2C)")]
+        assert [r.where for r in rows] == ["L=128 (2C)"] + [f"{t} L=128 (2C)" for t in tests[1:]]
+        assert all((r.a, r.b, r.verdict) == ("rope", "alibi", "A below B") for r in rows)  # the listing order
+        assert all(r.difference.mean == pytest.approx(-0.3) for r in rows)
