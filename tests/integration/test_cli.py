@@ -275,7 +275,7 @@ def test_shell_completion_routes_to_the_subcommand(line, expected):
 
 def test_posbench_subprocesses_use_the_tests_token_cache():
     """helpers.ENV, the environment of `posbench` subprocesses, is made when helpers is imported,
-    before the session's temporary cache exists: the subprocesses prepared data in the user's cache."""
+    before the test run's temporary cache exists: the subprocesses prepared data in the user's cache."""
     assert ENV["POSBENCH_CACHE"] == os.environ["POSBENCH_CACHE"]
     assert ENV["POSBENCH_CACHE"] != os.path.expanduser("~/.cache/posbench")
 
