@@ -17,6 +17,14 @@ QUIET = lambda _: None  # noqa: E731  (a log that drops every line)
 # The environment of `posbench` subprocesses: one thread, unbuffered output, no W&B.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
 
+def slow_beyond(values, fast) -> list:
+    """Parameters for a check run over every option: those in ``fast`` run in both lanes, the rest
+    are marked slow, so the fast lane keeps one case of each kind and the full suite runs them all.
+    The test ids are those of plain parametrization."""
+    return [value if value in fast else pytest.param(*(value if isinstance(value, tuple) else (value,)),
+                                                     marks=pytest.mark.slow) for value in values]
+
+
 # Overrides that make a full train + eval run take seconds on a CPU.
 QUICK_TRAIN = [
     "model=tiny",
@@ -79,7 +87,7 @@ def run_train(run_dir: Path, *overrides: str, log=QUIET, figures: bool = False, 
     cfg = compose_config("train", [*QUICK_TRAIN, *overrides])
     if figures:
         return train(cfg, run_dir, log=log, **kwargs)
-    with mock.patch("posbench.train.final.write_run_figures", return_value=[]):
+    with mock.patch("posbench.report.plot.write_run_figures", return_value=[]):
         return train(cfg, run_dir, log=log, **kwargs)
 
 

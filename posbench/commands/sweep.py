@@ -31,7 +31,6 @@ from omegaconf import DictConfig
 
 from posbench.config import config_names
 from posbench.core.io import write_text_atomic
-from posbench.report.kinds import by_kind, kind_of
 from posbench.runs.results import RESULTS_FILE, STATUS_FILE, RunRecord, discover_runs, finished_runs, headline_entries
 
 log = logging.getLogger(__name__)
@@ -118,6 +117,7 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
     the mean and 95 % interval of every band, the cost, cumulative perplexity and effective
     length, and the paired differences on the headline band."""
     runs, problems = finished_runs(runs, problems)  # idempotent: a failed run never enters the tables
+    from posbench.report.kinds import by_kind  # here, not at import: it loads matplotlib, which a job never needs
     root = Path(sweep_dir)
     lines = [f"# Sweep summary: {root}", "", f"## Finished ({len(runs)})", ""]
     # Each kind of run (text, task) writes its own part: (run -> its group, the part's lines).
@@ -181,6 +181,8 @@ class ComparePlotsCallback(Callback):
             log.info("comparison plots for %d runs written to %s", len(runs), out_dir)
         except Exception as err:  # noqa: BLE001
             log.warning("comparison plots failed (the runs themselves are intact): %s", err)
+        from posbench.report.kinds import kind_of
+
         if self.viz and any(kind_of(r).reads_text for r in runs):  # viz reads text; task runs have none
             try:
                 from posbench.viz.command import viz_sweep_default  # here, as plot_runs above

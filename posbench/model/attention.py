@@ -180,7 +180,14 @@ def causal_block_mask(length: int, device: str, window: int | None = None):
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device)
 
 
-@torch.compiler.disable
+# torch.compiler.disable imports torch._dynamo where it decorates: about 1.5 s added to every
+# start of every command, compiled or not. torch's lazy form of it (what torch's own optimizers
+# use) imports dynamo at the first call instead; either way the call is one graph break in a
+# compiled forward (tests/unit/model/test_fast_paths.py checks it).
+_outside_compiled_graphs = getattr(torch, "_disable_dynamo", torch.compiler.disable)
+
+
+@_outside_compiled_graphs
 def prebuilt_block_mask(length: int, device: str, window: int | None = None):
     """:func:`causal_block_mask` from outside any compiled graph: called from a compiled forward,
     it is one graph break that returns the cached mask as an input to the rest of the graph,

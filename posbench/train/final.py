@@ -8,7 +8,6 @@ the trainer's), kept apart so that the trainer's module reads as its stages.
 from __future__ import annotations
 
 from posbench.evaluation.probes import ProbeRun, probe_summaries, run_probes
-from posbench.report.plot import write_run_figures
 from posbench.runs.records import Results, TrainRecord
 from posbench.runs.schema import versions
 from posbench.runtime.distributed import barrier, shutdown
@@ -50,6 +49,9 @@ class FinalEvaluation:
             results["versions"] = versions()
             results["environment"] = self.environment
             self.rundir.write_results(results, self.log)  # under the results lock; a damaged one set aside
+            # imported here: it loads matplotlib, which a refused start never needs
+            from posbench.report.plot import write_run_figures
+
             figures = write_run_figures(run_dir, self.log)
             self.run_logger.log_eval(results["eval"], t.context)
             self.run_logger.summary({"train/final_loss": self.loss_value,

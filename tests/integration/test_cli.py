@@ -91,6 +91,7 @@ def test_a_plain_key_of_a_swept_group_works_in_a_sweep(tmp_path):
     assert len(configs) == 2 and all("seed: 3" in c.read_text().split("task:")[1] for c in configs)
 
 
+@pytest.mark.slow
 def test_a_plain_key_of_a_group_that_the_experiment_sweeps_works():
     """`-m experiment=grid task.learnt_at_c=0`: the task is swept by the experiment's
     hydra.sweeper.params, not the command line, and the plain key was refused ("no task is
@@ -128,6 +129,28 @@ def test_user_errors_are_one_line_without_traceback(tmp_path, overrides, message
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("posbench train: error")]
     assert len(error_lines) == 1
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+# What `posbench train` loads before it trains: a refused start reports the error and leaves.
+STARTUP = """
+import sys
+from posbench.commands.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    print(done.code, "torch._dynamo" in sys.modules, "matplotlib" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_a_refused_start_loads_neither_torch_compile_nor_matplotlib(tmp_path):
+    """torch._dynamo (loaded by a module-level torch.compiler.disable) and matplotlib (loaded by the
+    sweep callback and the final stage) made every start, a refused one too, about 2.5 s slower;
+    they load when a run compiles or draws."""
+    proc = subprocess.run([sys.executable, "-c", STARTUP, "train", *QUICK_TRAIN, "model.n_layers=abc",
+                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, env=ENV)
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr[-2000:]
+    assert "model.n_layers must be an integer" in proc.stderr
 
 
 @pytest.mark.slow
