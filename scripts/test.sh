@@ -26,6 +26,9 @@ fi
 "$VENV/bin/python" -m ruff check .
 
 export MPLBACKEND=Agg WANDB_SILENT=true
+# pytest caches its rewritten test modules as bytecode; where the environment forbids bytecode
+# (PYTHONDONTWRITEBYTECODE, common in containers) every run would rewrite all of them again.
+unset PYTHONDONTWRITEBYTECODE
 case "$lane" in
   fast) exec "$VENV/bin/python" -m pytest -q -m "not slow" "$@" ;;
   *) exec "$VENV/bin/python" -m pytest -q "$@" ;;

@@ -12,6 +12,7 @@ from posbench.methods import PositionMethod, list_methods, register, unregister
 ref = load_script("methods_overview")
 
 
+@pytest.mark.slow
 def test_the_committed_page_is_the_generated_one_and_a_hand_edit_is_caught():
     assert_page_is_generated("methods_overview", ("| `alibi` | score | Press et al. 2022 |",
                                                   "| `alibi` | score | Press et al. 2021 |"))

@@ -66,6 +66,7 @@ def test_training_batches_are_patches_of_training_images(task, splits):
     assert not (task.train_batch(1, 3, 16).features == batch.features).all()
 
 
+@pytest.mark.slow
 def test_validation_and_test_images_are_held_out(task, splits):
     train, test = splits
     valid = held_out(train.labels.numpy())
@@ -130,6 +131,7 @@ def naive_ink_guess(images: np.ndarray, train_images: np.ndarray, train_labels: 
     return np.array([np.argmin([np.sum((histogram(im) - m) ** 2) for m in centroids]) for im in images])
 
 
+@pytest.mark.slow
 def test_baselines_are_chance_and_a_position_free_nearest_centroid(task, splits):
     train, _ = splits
     keep = ~held_out(train.labels.numpy())
