@@ -43,6 +43,7 @@ QUICK_TRAIN = [
     "eval.lengths=[64]",
     "eval.num_sequences=4",
     "eval.batch_size=4",
+    "eval.figures=false",  # the run's figures take most of a quick run's time; a test of them sets eval.figures=true
 ]
 
 
@@ -60,7 +61,7 @@ def compose_config(name: str, overrides: list[str]):
 QUICK_TASK = ["logger=none", "trainer.context=32", "trainer.max_steps=4", "trainer.batch_size=8", "trainer.log_every=2",
               "trainer.val_every=2", "trainer.val_sequences=8", "trainer.val_extrapolation_sequences=4",
               "trainer.warmup_steps=1", "trainer.precision=fp32", "eval.lengths=[32,64,128]", "eval.num_sequences=8",
-              "eval.batch_size=8"]
+              "eval.batch_size=8", "eval.figures=false"]
 
 
 def posbench_cli(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = True,
@@ -77,18 +78,12 @@ def posbench_cli(*args: str, cwd: Path | None = None, env: dict | None = None, c
 def run_train(run_dir: Path, *overrides: str, log=QUIET, figures: bool = False, **kwargs) -> dict:
     """Train a quick tiny run (QUICK_TRAIN, then ``overrides``) into ``run_dir``; its results.
 
-    The run's figures (``figures/``, drawn after results.json by ``write_run_figures``, which never
-    fails a run) only with ``figures=True``: drawing them took about three quarters of a quick run's
-    time. A test of those figures asks for them; ``posbench train`` in a subprocess always draws them."""
-    from unittest import mock
-
+    The run's figures (``figures/``, drawn after results.json) only with ``figures=True``
+    (``eval.figures=true``): drawing them took about three quarters of a quick run's time."""
     from posbench.train.trainer import train
 
-    cfg = compose_config("train", [*QUICK_TRAIN, *overrides])
-    if figures:
-        return train(cfg, run_dir, log=log, **kwargs)
-    with mock.patch("posbench.report.plot.write_run_figures", return_value=[]):
-        return train(cfg, run_dir, log=log, **kwargs)
+    cfg = compose_config("train", [*QUICK_TRAIN, *overrides, *(["eval.figures=true"] if figures else [])])
+    return train(cfg, run_dir, log=log, **kwargs)
 
 
 def interrupted(run_dir: Path, *overrides: str, at: int = 2) -> None:

@@ -137,7 +137,8 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         merge_eval_entries(results, entries, replace, log, recorded=own)
         merge_probe_results(results, probes, replace, log, recorded=own)
         write_results(run.path, results)
-        write_run_figures(run.path, log)
+        if evaluation.figures:
+            write_run_figures(run.path, log)
     log(f"updated {rundir.results_path}")
     return results
 

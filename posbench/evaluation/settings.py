@@ -154,6 +154,10 @@ class EvalConfig:
     extension_factor: float | None = None
     """Scaling factor of the extensions; None = L / C at each evaluated length L (dynamic_ntk:
     transformers' factor, default 1)."""
+    figures: bool = True
+    """Draw the run's figures (``<run>/figures/``) once results.json is written; false leaves them
+    out, the numbers unchanged (a sweep of many runs: ``posbench plot`` draws the comparison, and
+    ``posbench eval run=<dir>`` a run's own figures, later from the saved results)."""
     rerope: ReRoPEConfig = field(default_factory=ReRoPEConfig)
     """Settings of the rerope extension (eval.rerope.*, the table below)."""
     self_extend: SelfExtendConfig = field(default_factory=SelfExtendConfig)

@@ -49,10 +49,12 @@ class FinalEvaluation:
             results["versions"] = versions()
             results["environment"] = self.environment
             self.rundir.write_results(results, self.log)  # under the results lock; a damaged one set aside
-            # imported here: it loads matplotlib, which a refused start never needs
-            from posbench.report.plot import write_run_figures
+            figures = []
+            if spec.eval.figures:
+                # imported here: it loads matplotlib, which a refused start never needs
+                from posbench.report.plot import write_run_figures
 
-            figures = write_run_figures(run_dir, self.log)
+                figures = write_run_figures(run_dir, self.log)
             self.run_logger.log_eval(results["eval"], t.context)
             self.run_logger.summary({"train/final_loss": self.loss_value,
                                      "train/tokens_per_second": results["train"]["tokens_per_second"],

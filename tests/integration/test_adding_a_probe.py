@@ -119,7 +119,7 @@ def test_a_registered_probe_runs_in_training_and_posbench_eval(registered, tmp_p
 
     run_dir = tmp_path / "run"
     lines: list[str] = []
-    train(compose_config("train", [*QUICK_TRAIN, f"eval.probes=[{NAME}]"]), run_dir, log=lines.append)
+    train(compose_config("train", [*QUICK_TRAIN, f"eval.probes=[{NAME}]", "eval.figures=true"]), run_dir, log=lines.append)
     results = read_results(run_dir)
     (entry,) = results[NAME]
     assert entry["extension"] == "none" and entry["num_windows"] == 3 and np.isfinite(entry["mean_loss"])

@@ -20,6 +20,18 @@ from posbench.train.optim import lr_lambda
 from posbench.train.trainer import TrainingInterrupted, train
 
 
+def test_eval_figures_false_leaves_the_figures_out_and_posbench_eval_draws_them(trained_run):
+    """eval.figures=false (the quick runs' setting): the run finishes without figures/; posbench eval,
+    whose eval.figures is true whatever the run's, draws them from the saved results."""
+    from posbench.commands.eval import evaluate_saved_run
+
+    run_dir = trained_run()
+    assert results_of(run_dir)["train"]["steps"] == 6 and not (run_dir / "figures").exists()
+    before = results_of(run_dir)["eval"]
+    evaluate_saved_run(compose_config("eval", [f"run={run_dir}"]), log=lambda _: None)
+    assert (run_dir / "figures" / "loss_by_position.png").is_file() and results_of(run_dir)["eval"] == before
+
+
 @pytest.mark.slow
 def test_train_writes_a_complete_run_directory(tmp_path):
     results = run_train(tmp_path, "method=rope", "trainer.val_every=3", figures=True)

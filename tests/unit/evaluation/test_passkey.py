@@ -185,7 +185,8 @@ def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_pa
     from posbench.train.trainer import train
 
     run_dir = tmp_path / "run"
-    train(compose_config("train", [*QUICK_TRAIN, "eval.probes=[passkey]", *PASSKEY]), run_dir, log=lambda _: None)
+    train(compose_config("train", [*QUICK_TRAIN, "eval.probes=[passkey]", *PASSKEY, "eval.figures=true"]), run_dir,
+          log=lambda _: None)
     results = read_results(run_dir)
     (entry,) = results["passkey"]
     assert "probes" not in results  # the copy probe's list is left alone
