@@ -201,7 +201,9 @@ def test_eval_and_plot_refuse_a_directory_without_runs(tmp_path):
 @pytest.mark.slow
 def test_multirun_over_all_methods_writes_comparison(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=glob(*)", f"hydra.sweep.dir={sweep}")
+    # viz's pictures of the sweep: test_viz_runs.py::test_sweep_callback_adds_the_viz_pictures
+    proc = posbench_cli("train", "-m", *QUICK_TRAIN, "method=glob(*)", f"hydra.sweep.dir={sweep}",
+                        "hydra.callbacks.compare_plots.viz=false")
     jobs = sorted(p for p in sweep.iterdir() if (p / "results.json").exists())
     assert {results_of(j)["method"] for j in jobs} == set(posbench.list_methods())
     assert all(j.name.split("_", 1)[1] == f"{results_of(j)['method']}-s0" for j in jobs)
