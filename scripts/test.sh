@@ -3,7 +3,7 @@
 # (CPU torch), runs ruff, then pytest. Extra arguments go to pytest, e.g. `bash scripts/test.sh -k rope`.
 #
 #   bash scripts/test.sh           # ruff, then the whole suite (about 15 minutes on 2 cores)
-#   bash scripts/test.sh --fast    # ruff, then the fast lane: every test not marked slow (about 2.5 minutes)
+#   bash scripts/test.sh --fast    # ruff, then the fast lane: every test not marked slow (under 2 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
