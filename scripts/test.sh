@@ -2,7 +2,7 @@
 # The test suite, from a fresh clone: creates .venv, installs posbench with its test extra
 # (CPU torch), runs ruff, then pytest. Extra arguments go to pytest, e.g. `bash scripts/test.sh -k rope`.
 #
-#   bash scripts/test.sh           # ruff, then the whole suite (about 15 minutes on 2 cores)
+#   bash scripts/test.sh           # ruff, then the whole suite (about 14 minutes on 2 cores)
 #   bash scripts/test.sh --fast    # ruff, then the fast lane: every test not marked slow (under 2 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
