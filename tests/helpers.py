@@ -17,6 +17,7 @@ QUIET = lambda _: None  # noqa: E731  (a log that drops every line)
 # The environment of `posbench` subprocesses: one thread, unbuffered output, no W&B.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
 
+
 def slow_beyond(values, fast) -> list:
     """Parameters for a check run over every option: those in ``fast`` run in both lanes, the rest
     are marked slow, so the fast lane keeps one case of each kind and the full suite runs them all.
