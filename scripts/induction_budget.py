@@ -2,6 +2,7 @@
 
     python scripts/induction_budget.py --method rope [--model mini] [--steps 2000] [--pool 8191]
         [--span 64] [--batch-size 16] [--lr 2e-3] [--warmup 40] [--seed 0] [--every 50] [--out log.jsonl]
+        [--device cpu]
 
 Every training window is ``C + 1`` ids drawn uniformly from a pool of ``--pool`` ids, with one span
 of ``--span`` ids written again at a distance d uniform over the distances that fit (the second
@@ -83,6 +84,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (the windows are drawn on the CPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write one JSON line per report here")
     args = parser.parse_args(argv)
     args.pool = args.vocab - 1 if args.pool is None else args.pool
@@ -91,6 +93,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not 1 <= args.span <= (args.context + 1) // 2:
         raise PosbenchError(f"--span must be in 1 .. {(args.context + 1) // 2} so two copies fit in {args.context + 1} ids, "
                             f"got {args.span}")
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        raise PosbenchError(f"--device {args.device!r} is not a device; use cpu, cuda or cuda:<index>") from None
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise PosbenchError(f"--device {args.device} but no CUDA device is visible; use --device cpu")
     for name in ("steps", "batch_size", "every"):
         if getattr(args, name) < 1:
             raise PosbenchError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
@@ -100,9 +108,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace, report=print) -> list[dict]:
     """Train and return one record per report: step, copy and rest losses, seconds."""
     torch.manual_seed(args.seed)
-    model = posbench.create_model(args.method, flavour=args.model, vocab_size=args.vocab)
+    device = torch.device(args.device)
+    model = posbench.create_model(args.method, flavour=args.model, vocab_size=args.vocab).to(device)
     t = TrainerConfig(lr=args.lr)
-    opt = make_optimizer(model, t, torch.device("cpu"))
+    opt = make_optimizer(model, t, device)
     gen = torch.Generator().manual_seed(args.seed)
     pool = torch.randperm(args.vocab - 1, generator=gen)[: args.pool] + 1  # id 0 left out
     level = math.log(args.pool)
@@ -111,6 +120,7 @@ def run(args: argparse.Namespace, report=print) -> list[dict]:
         for group in opt.param_groups:
             group["lr"] = args.lr * min(1.0, step / args.warmup)
         ids, copy = windows(gen, pool, args.batch_size, args.context, args.span)
+        ids, copy = ids.to(device), copy.to(device)
         loss, copy_loss, rest_loss = split_loss(model(ids[:, :-1]), ids, copy)
         opt.zero_grad(set_to_none=True)
         loss.backward()

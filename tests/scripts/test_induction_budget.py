@@ -65,12 +65,20 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     (["--pool", "1"], "--pool must be in 2 .. 8191"),
     pytest.param(["--span", "200"], "--span must be in 1 .. 128", marks=pytest.mark.slow),
     pytest.param(["--steps", "0"], "--steps must be a positive integer", marks=pytest.mark.slow),
+    pytest.param(["--device", "gpu0"], "is not a device; use cpu, cuda", marks=pytest.mark.slow),
 ])
 def test_bad_settings_are_refused_in_one_line(args, fix):
     done = run_script(*args)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and fix in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_cuda_without_a_cuda_device_is_refused_in_one_line():
+    done = run_script("--device", "cuda")
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "error: --device cuda but no CUDA device is visible; use --device cpu")
 
 
 def test_a_short_run_reports_and_writes_its_log(tmp_path):
