@@ -105,7 +105,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, report=print) -> list[dict]:
+def say(line: str) -> None:
+    print(line, flush=True)  # a log file shows each report as it comes
+
+
+def run(args: argparse.Namespace, report=say) -> list[dict]:
     """Train and return one record per report: step, copy and rest losses, seconds."""
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
