@@ -21,3 +21,16 @@ def test_every_python_package_is_listed_in_pyproject():
     }
     assert on_disk - listed == set(), f"add to [tool.setuptools] packages: {sorted(on_disk - listed)}"
     assert setup["package-dir"]["posbench.configs"] == "configs" and "posbench.configs" in listed
+
+
+def test_the_version_is_the_same_in_pyproject_the_package_and_the_changelog():
+    """Every run records ``posbench.__version__``; the changelog's newest entry must name it, or a
+    recorded number cannot be traced to what changed."""
+    import re
+
+    import posbench
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    newest = re.search(r"^## (\S+) — \d{4}-\d{2}-\d{2}$", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.M)
+    assert posbench.__version__ == version, "set posbench/__init__.py __version__ to pyproject.toml's version"
+    assert newest is not None and newest.group(1) == version, "the newest CHANGELOG.md entry must be this version"
