@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from config_reference import meaning_text, replace_region, write_or_check  # noqa: E402
+from config_reference import meaning_text, replace_region, write_or_check
 
-from posbench.commands.cli import run_script  # noqa: E402
-from posbench.core.errors import PosbenchError  # noqa: E402
-from posbench.methods import ModelDims, build_method, list_methods, method_class  # noqa: E402
-from posbench.model.transformer import ModelConfig, attention_backends  # noqa: E402
+from posbench.commands.cli import run_script
+from posbench.core.errors import PosbenchError
+from posbench.methods import ModelDims, build_method, list_methods, method_class
+from posbench.model.transformer import ModelConfig, attention_backends
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "methods-overview.md"
 LAYOUTS = {"sequence": "past C", "grid": "past the training grid"}

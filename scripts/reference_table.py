@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from config_reference import replace_region  # noqa: E402
+from config_reference import replace_region
 
-from posbench.commands.cli import run_script  # noqa: E402
-from posbench.core.errors import PosbenchError  # noqa: E402
-from posbench.core.io import write_text_atomic  # noqa: E402
+from posbench.commands.cli import run_script
+from posbench.core.errors import PosbenchError
+from posbench.core.io import write_text_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = {

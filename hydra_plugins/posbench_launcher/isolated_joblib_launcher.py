@@ -109,7 +109,7 @@ def _job_process(payload: bytes, send: Any) -> None:
                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
     try:
         send.send(("result", cloudpickle.dumps(result)))
-    except Exception as err:  # noqa: BLE001 - an unpicklable return value must not lose the job
+    except Exception as err:  # an unpicklable return value must not lose the job
         log.warning("job %d returned a value that cannot be sent back (%s)", idx, err)
         result.return_value = RuntimeError(f"unpicklable job result: {err}") if result.status == JobStatus.FAILED else None
         send.send(("result", cloudpickle.dumps(result)))

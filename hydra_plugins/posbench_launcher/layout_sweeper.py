@@ -18,6 +18,8 @@ import logging
 import sys
 from typing import Any
 
+# Private Hydra API (hydra-core is capped below 1.4 in pyproject.toml): the sweeper of Hydra's own
+# -m, subclassed so that everything but the layout filter stays Hydra's behaviour.
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
 log = logging.getLogger(__name__)

@@ -79,7 +79,7 @@ def resumed_elsewhere(job_dir: Path) -> Path | None:
         return None
     try:
         target = OmegaConf.select(OmegaConf.load(job_dir / ".hydra" / "config.yaml"), "trainer.resume")
-    except Exception:  # noqa: BLE001 - no readable record: the job stays a missing one
+    except Exception:  # no readable record: the job stays a missing one
         return None
     if target is None or str(target).lower() in ("auto", "true", "false", "none", "null"):
         return None
@@ -154,11 +154,11 @@ class ComparePlotsCallback(Callback):
         _last_sweep_failures = 0
         try:
             _last_sweep_empty_globs = empty_globs(list(config.hydra.overrides.task))
-        except Exception as err:  # noqa: BLE001 - a callback must never break the sweep
+        except Exception as err:  # a callback must never break the sweep
             log.warning("could not check the sweep's glob overrides: %s", err)
         try:
             sweep_dir = Path(str(config.hydra.sweep.dir))
-        except Exception as err:  # noqa: BLE001 - a callback must never break the sweep
+        except Exception as err:  # a callback must never break the sweep
             log.warning("comparison plots skipped: no hydra.sweep.dir in the config (%s)", err)
             return
         try:
@@ -167,7 +167,7 @@ class ComparePlotsCallback(Callback):
             write_text_atomic(sweep_dir / "summary.md", sweep_summary(sweep_dir, runs, problems))
             log.info("sweep summary: %d finished, %d failed or missing -> %s",
                      len(runs), len(problems), sweep_dir / "summary.md")
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.warning("could not write the sweep summary in %s: %s", sweep_dir, err)
             return
         if not runs:
@@ -179,7 +179,7 @@ class ComparePlotsCallback(Callback):
             out_dir = sweep_dir / self.out_subdir
             plot_runs([str(sweep_dir)], out_dir=out_dir, formats=self.formats, log=log.debug)
             log.info("comparison plots for %d runs written to %s", len(runs), out_dir)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             log.warning("comparison plots failed (the runs themselves are intact): %s", err)
         from posbench.report.kinds import kind_of
 
@@ -189,5 +189,5 @@ class ComparePlotsCallback(Callback):
 
                 viz_sweep_default(sweep_dir, out_dir / "viz", self.formats, log=log.debug)
                 log.info("viz pictures and overview written to %s", out_dir / "viz")
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 log.warning("viz pictures failed (the runs themselves are intact): %s", err)

@@ -146,6 +146,8 @@ def check_command_line(command: str, argv: list[str]) -> tuple[list[str], list[A
     composes the sweep's own config without the swept groups, where the key is missing. Raises
     :class:`PosbenchError` naming the fix for an override no job could use.
     """
+    # Private Hydra API (hydra-core is capped below 1.4 in pyproject.toml): the very parser Hydra's
+    # own main reads the command line with, so the checks here see the arguments as Hydra will.
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(argv)

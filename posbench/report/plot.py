@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from posbench.core.errors import PosbenchError, one_line
-from posbench.report.curves import (  # noqa: F401  (the figures, importable from here as before)
+from posbench.report.curves import (  # the figures, importable from here as before
     TRAIN_EMA,
     band_figure,
     position_figure,
@@ -68,7 +68,7 @@ from posbench.report.curves import (  # noqa: F401  (the figures, importable fro
     training_extrapolation_figure,
     validation_subset,
 )
-from posbench.report.figures import FORMATS, check_formats, line_styles, save  # noqa: F401
+from posbench.report.figures import FORMATS, check_formats, line_styles, save
 from posbench.report.kinds import by_kind, kind_of, split_unscored
 from posbench.runs.results import (
     RESULTS_FILE,

@@ -69,7 +69,7 @@ class DeferredFileHandler(logging.FileHandler):
             self.write_kept()
         super().close()
 
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+    def handleError(self, record: logging.LogRecord) -> None:  # the name logging calls
         if not self.write_failed:
             self.write_failed = True
             err = sys.exc_info()[1]
@@ -183,7 +183,7 @@ class RunDirCallback(Callback):
         self._checked(config, "hydra.sweep.dir")
         try:
             problem = shared_resume(list(config.hydra.overrides.task))
-        except Exception:  # noqa: BLE001 - an override Hydra cannot parse is Hydra's to report
+        except Exception:  # an override Hydra cannot parse is Hydra's to report
             problem = None
         if problem is not None:
             print(f"posbench {config.hydra.job.name}: error: {problem}", file=sys.stderr)
@@ -195,7 +195,7 @@ class RunDirCallback(Callback):
 
         try:
             value = OmegaConf.select(config, key)
-        except Exception:  # noqa: BLE001 - an unresolvable value is Hydra's to report
+        except Exception:  # an unresolvable value is Hydra's to report
             return None
         if value is None:
             return None

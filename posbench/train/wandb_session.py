@@ -104,7 +104,7 @@ def settle_offline(mode: str, exit_code: int, log: Log) -> None:
 
     try:
         wandb.teardown(exit_code=exit_code)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - wandb's teardown sys.exit()s when its service failed
+    except (Exception, SystemExit) as e:  # wandb's teardown sys.exit()s when its service failed
         log(f"warning: W&B offline teardown failed ({one_line(e)}); check the .wandb file before syncing it")
 
 
@@ -154,7 +154,7 @@ def upload_figures(run_dir: Path, logger_cfg: Mapping[str, Any], paths: Sequence
                          project=logger_cfg.get("project") or "posbench", entity=logger_cfg.get("entity"))
         run.log({f"{prefix}/{p.stem}": wandb.Image(str(p)) for p in paths if p.suffix == ".png"})
         run.finish()
-    except Exception as err:  # noqa: BLE001 - W&B must never cost the figures
+    except Exception as err:  # W&B must never cost the figures
         log(f"warning: W&B logging of the figures failed ({one_line(err)}); they are in the run directory")
         return False
     settle_offline(mode, 0, log)

@@ -34,3 +34,18 @@ def test_the_version_is_the_same_in_pyproject_the_package_and_the_changelog():
     newest = re.search(r"^## (\S+) — \d{4}-\d{2}-\d{2}$", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.M)
     assert posbench.__version__ == version, "set posbench/__init__.py __version__ to pyproject.toml's version"
     assert newest is not None and newest.group(1) == version, "the newest CHANGELOG.md entry must be this version"
+
+
+def test_hydra_is_capped_below_its_next_minor_version_where_its_private_api_is_imported():
+    """posbench imports ``hydra._internal`` (the command-line parser, the basic sweeper): a minor
+    release of Hydra may change it, so the requirement stops before one, and every such import says so."""
+    import re
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    hydra = next(d for d in dependencies if d.startswith("hydra-core"))
+    assert re.fullmatch(r"hydra-core>=1\.3\.\d+,<1\.4", hydra), hydra
+    for path in [*(ROOT / "posbench").rglob("*.py"), *(ROOT / "hydra_plugins").rglob("*.py")]:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "hydra._internal" in line and "import" in line:
+                assert "Private Hydra API" in "\n".join(lines[max(0, i - 3):i]), f"{path}:{i + 1}: comment the import"
