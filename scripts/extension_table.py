@@ -21,8 +21,8 @@ from posbench.core.errors import PosbenchError
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.report.compare import band_key
 from posbench.runs.entries import entry_extension
-from posbench.runs.results import RunRecord
-from posbench.runs.schema import read_results
+from posbench.runs.results import read_results
+from posbench.runs.run_record import RunRecord
 
 
 def load(run_dir: str, variant: str | None) -> list[dict]:

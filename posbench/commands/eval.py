@@ -18,8 +18,9 @@ from posbench.evaluation.probes import ProbeRun, configure_probes, merge_probe_r
 from posbench.evaluation.settings import EvalConfig
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.report.plot import write_run_figures
+from posbench.runs.entries import merge_eval_entries
 from posbench.runs.load import Run, load_run
-from posbench.runs.results import merge_eval_entries, recorded_precision, write_results
+from posbench.runs.run_record import recorded_precision
 from posbench.runs.rundir import RunDir
 from posbench.runtime.device import autocast_dtype, precision_name, resolve_device
 from posbench.train.trainer import finish_run
@@ -136,7 +137,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         own = {"precision": recorded_precision(results, run.config) or "unknown"}
         merge_eval_entries(results, entries, replace, log, recorded=own)
         merge_probe_results(results, probes, replace, log, recorded=own)
-        write_results(run.path, results)
+        rundir.write_results(results, log)  # the results lock it takes is the one held here
         if evaluation.figures:
             write_run_figures(run.path, log)
     log(f"updated {rundir.results_path}")

@@ -31,7 +31,10 @@ from omegaconf import DictConfig
 
 from posbench.config import config_names
 from posbench.core.io import write_text_atomic
-from posbench.runs.results import RESULTS_FILE, STATUS_FILE, RunRecord, discover_runs, finished_runs, headline_entries
+from posbench.runs.entries import headline_entries
+from posbench.runs.results import RESULTS_FILE
+from posbench.runs.run_record import RunRecord, discover_runs, finished_runs
+from posbench.runs.status import STATUS_FILE
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.stats import moving_average
-from posbench.runs.records import CurveSummary
+from posbench.runs.results_types import CurveSummary
 
 # Effective length: smoothing in positions (its tolerance in nats is eval.effective_length_eps).
 EFFECTIVE_LENGTH_WINDOW = 64

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -39,8 +38,8 @@ from posbench.evaluation.settings import EvalConfig
 from posbench.model.extension import NONE, evaluation_order, extended, record_extension
 from posbench.model.transformer import CPU_LOGITS_CHUNK_BYTES
 from posbench.runs.entries import headline_entries
-from posbench.runs.records import EvaluatedRun, LossEntry
-from posbench.runs.schema import SCHEMA_VERSION
+from posbench.runs.results import build_results
+from posbench.runs.results_types import EvaluatedRun, LossEntry
 
 # Upper bound for one chunk of float32 logits; log-softmax/cross-entropy needs about one more
 # buffer of the same size, so peak extra memory stays well under 1 GB even for 50k vocabularies.
@@ -359,9 +358,7 @@ def evaluate_run(model: nn.Module, prepared: Any, spec: Any, device: torch.devic
     e = spec.eval
     tokens = prepared.tokens(e.split)
     entries = evaluate_model(model, tokens, e, spec.trainer.context, device, log=log, autocast_dtype=amp_dtype)
-    return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed,
-            "train_context": spec.trainer.context, "eval": entries,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return build_results(method=spec.method, seed=spec.seed, train_context=spec.trainer.context, eval=entries)
 
 
 def headline(results: EvaluatedRun, band: str = "256-512") -> float:

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from posbench.runs.records import IntervalSummary
+from posbench.runs.results_types import IntervalSummary
 
 LEVEL = 0.95
 BOOTSTRAP_RESAMPLES = 10_000

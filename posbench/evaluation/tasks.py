@@ -11,7 +11,6 @@ t-interval over the runs' means (:func:`posbench.evaluation.stats.across_runs`),
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from typing import Any, Callable
 
 import numpy as np
@@ -23,8 +22,8 @@ from posbench.evaluation.curves import band_edges
 from posbench.evaluation.loss import inference, sequences_fingerprint
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.model.extension import NONE, evaluation_order, extended, record_extension
-from posbench.runs.records import EvaluatedRun, IntervalSummary, LearntAtC, TaskEntry, TaskRecord
-from posbench.runs.schema import SCHEMA_VERSION
+from posbench.runs.results import build_results
+from posbench.runs.results_types import EvaluatedRun, IntervalSummary, LearntAtC, TaskEntry, TaskRecord
 from posbench.tasks.base import IGNORE, STANDARD, TEST, VALID, Batch, Task, task_class
 
 ENTRY_SPLIT = "test"
@@ -202,8 +201,7 @@ def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dty
         log(f"task {task.name}: not learnt at C (accuracy at {context} on the {record['learnt_at_c']['test_set']} test "
             f"{shown_mean({'mean': record['learnt_at_c']['value']})} < task.learnt_at_c={task.learnt_at_c}): "
             "comparisons leave this run out of every claim past C")
-    return {"schema_version": SCHEMA_VERSION, "method": spec.method, "seed": spec.seed, "train_context": context,
-            "eval": [], "task": record, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return build_results(method=spec.method, seed=spec.seed, train_context=context, eval=[], task=record)
 
 
 def learnt_at_c(task: TaskRecord, train_context: int) -> LearntAtC:

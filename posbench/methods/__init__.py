@@ -37,8 +37,9 @@ from posbench.methods.base import (
 
 _REGISTRY: dict[str, type[PositionMethod]] = {}
 
-# Every module of this package is a method and is imported (so registered) below, in the order
-# methods are listed and plotted in (posbench.config.METHOD_LISTING_ORDER, then alphabetically).
+# Every module of this package is a method and is imported (so registered) below; methods are
+# listed by name in posbench.config.listing_order (METHOD_LISTING_ORDER, then alphabetically), the
+# order that reading saved results takes from the method configs' names without importing these.
 
 
 def register(cls: type[PositionMethod]) -> type[PositionMethod]:
@@ -59,7 +60,7 @@ def unregister(name: str) -> None:
 def list_methods(layout: str | None = "sequence") -> list[str]:
     """Names of the registered position methods made for ``layout`` (``sequence``: the language
     model's, the default; ``grid``: the grid encoder's; None: all, the valid ``method=`` values)."""
-    return [name for name, cls in _REGISTRY.items() if layout is None or layout in cls.layouts]
+    return [name for name in listing_order(_REGISTRY) if layout is None or layout in _REGISTRY[name].layouts]
 
 
 def method_class(name: str) -> type[PositionMethod]:

@@ -40,8 +40,8 @@ from posbench.evaluation.stats import (
 from posbench.report.groups import Group, group_runs, grouping_notes, run_facets
 from posbench.report.listing import method_order
 from posbench.runs.entries import headline_entries
-from posbench.runs.records import CostCurve, CurveSummary, LossEntry
-from posbench.runs.results import RunRecord
+from posbench.runs.results_types import CostCurve, CurveSummary, LossEntry
+from posbench.runs.run_record import RunRecord
 
 # Also read from here by the plot, probe, task, sweep and viz modules.
 __all__ = ["Comparison", "Group", "Pair", "Row", "Value", "band_key", "compare_runs", "group_runs", "grouping_notes",

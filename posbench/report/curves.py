@@ -15,8 +15,8 @@ import numpy as np
 from posbench.evaluation.stats import moving_average, pointwise_t_band
 from posbench.report.compare import Row, splits
 from posbench.report.figures import LEGEND_ONE_COLUMN, legend_outside, line_styles, new_figure, no_data, save
-from posbench.runs.records import LossEntry
-from posbench.runs.results import RunRecord
+from posbench.runs.results_types import LossEntry
+from posbench.runs.run_record import RunRecord
 
 TRAIN_EMA = 0.8
 HEADLINE_SPLIT = "validation"

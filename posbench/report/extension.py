@@ -36,7 +36,7 @@ from posbench.report.compare import band_key as _band_key
 from posbench.report.figures import new_figure, save
 from posbench.report.groups import group_runs
 from posbench.runs.entries import entry_extension
-from posbench.runs.results import RunRecord
+from posbench.runs.run_record import RunRecord
 
 
 def _extension_order(names: set[str]) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from posbench.report.listing import method_order
 from posbench.runs.entries import plain_entries
-from posbench.runs.results import RunRecord
+from posbench.runs.run_record import RunRecord
 from posbench.train.settings import RESULT_SETTINGS
 
 # Model keys that are results, not settings (they differ when the vocabulary does, which the

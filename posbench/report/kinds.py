@@ -38,7 +38,7 @@ from posbench.report.extension import plot_extensions
 from posbench.report.figures import save
 from posbench.report.task_pairs import task_pairs, task_pairs_markdown
 from posbench.report.tasks import plot_task_runs, tables_markdown, task_figure, task_tables, unscored_reason
-from posbench.runs.results import RunRecord
+from posbench.runs.run_record import RunRecord
 
 Log = Callable[[str], Any]
 

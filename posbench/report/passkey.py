@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from posbench.report.figures import new_figure, save
-from posbench.runs.records import Results
+from posbench.runs.results_types import Results
 
 
 def passkey_figure(entry: dict[str, Any], title: str = "") -> Figure:

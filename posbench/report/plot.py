@@ -43,7 +43,7 @@ Each kind of run (text, task; :mod:`posbench.report.kinds`) draws its own part; 
 (:mod:`posbench.report.curves`) are those of text runs.
 
 Groups are runs that differ only by seed (:func:`posbench.report.compare.run_facets`); failed, refused
-and result-less runs are skipped (:func:`posbench.runs.results.finished_runs`). Curves of one run are
+and result-less runs are skipped (:func:`posbench.runs.run_record.finished_runs`). Curves of one run are
 titled "one run per curve", never a mean over seeds. Colours: :func:`line_styles` (a method's
 registry colour in every figure, 20 colours, markers from 11 curves on); legends sit outside the
 axes. The band chart's y-axis starts near the bars when 0 would hide their differences.
@@ -70,16 +70,10 @@ from posbench.report.curves import (  # the figures, importable from here as bef
 )
 from posbench.report.figures import FORMATS, check_formats, line_styles, save
 from posbench.report.kinds import by_kind, kind_of, split_unscored
-from posbench.runs.results import (
-    RESULTS_FILE,
-    RunRecord,
-    discover_runs,
-    finished_runs,
-    read_metrics,
-    read_results,
-    read_status,
-)
+from posbench.runs.results import RESULTS_FILE, read_results
+from posbench.runs.run_record import RunRecord, discover_runs, finished_runs, read_metrics
 from posbench.runs.rundir import RunDir
+from posbench.runs.status import read_status
 
 
 def plot_runs(

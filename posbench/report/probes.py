@@ -29,7 +29,7 @@ from posbench.evaluation.probes.copy import NO_MATCHED, REACH_DEFINITION, entry_
 from posbench.evaluation.stats import Interval, across_runs
 from posbench.report.compare import group_runs
 from posbench.report.figures import legend_outside, new_figure, save
-from posbench.runs.results import RunRecord
+from posbench.runs.run_record import RunRecord
 
 Key = tuple[str, str, int]  # (kind, region, distance)
 # What a figure or table column shows: the cell's mean key, its per-window key, the axis label.

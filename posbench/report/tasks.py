@@ -34,8 +34,8 @@ from posbench.evaluation.tasks import learnt_at_c
 from posbench.model.extension import NONE
 from posbench.report.compare import group_runs
 from posbench.report.figures import line_styles, new_figure, save
-from posbench.runs.records import AxisSummary, TaskEntry
-from posbench.runs.results import RunRecord
+from posbench.runs.results_types import AxisSummary, TaskEntry
+from posbench.runs.run_record import RunRecord
 from posbench.tasks.base import STANDARD, task_class
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from posbench.runs.records import LossEntry, Results, TaskEntry
+from posbench.runs.results_types import LossEntry, Results, TaskEntry
 
 
 def entry_extension(entry: LossEntry | TaskEntry) -> str:

@@ -14,7 +14,7 @@ from posbench.core.errors import PosbenchError
 from posbench.data import PreparedData, cache_dir_of, prepare_data
 from posbench.model.transformer import ModelConfig, Transformer, build_model
 from posbench.runs.checkpoint import list_checkpoints, load_latest_checkpoint, load_model_weights
-from posbench.runs.records import Results
+from posbench.runs.results_types import Results
 from posbench.runs.rundir import RunDir
 from posbench.runs.spec import MethodSpec, data_config
 

@@ -9,7 +9,7 @@
          /figures/         per-run figures
          /.posbench.lock   one process at a time holds the directory (:class:`RunLock`)
 
-File names are those of the readers (:mod:`posbench.runs.results`, `.schema`, `.status`); nothing else writes a run
+File names are those of the readers (:mod:`posbench.runs.run_record`, `.results`, `.status`); nothing else writes a run
 file by name.
 """
 
@@ -28,9 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from posbench.core.errors import PosbenchError, one_line
 from posbench.core.io import write_json_atomic, write_text_atomic
 from posbench.runs.checkpoint import checkpoint_dir, list_checkpoints
-from posbench.runs.records import Results
-from posbench.runs.results import CONFIG_FILE, METRICS_FILE, read_metrics
-from posbench.runs.schema import RESULTS_FILE, quarantine, read_results, write_results
+from posbench.runs.results import RESULTS_FILE, quarantine, read_results, write_results
+from posbench.runs.results_types import Results
+from posbench.runs.run_record import CONFIG_FILE, METRICS_FILE, read_metrics
 from posbench.runs.status import REFUSED_FILE, STATUS_FILE, read_status, write_status
 
 RESULTS_LOCK = ".results.json.lock"  # held while results.json is read, merged and rewritten
@@ -87,6 +87,7 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self._results_lock: FileLock | None = None
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
@@ -132,8 +133,11 @@ class RunDir:
         return RunLock(self.path, enabled, otherwise)
 
     def results_lock(self) -> FileLock:
-        """Held while results.json is written, or read, merged and rewritten (``posbench eval``)."""
-        return FileLock(str(self.path / RESULTS_LOCK))
+        """Held while results.json is written, or read, merged and rewritten (``posbench eval``).
+        One lock per :class:`RunDir`, taken again by :meth:`write_results` inside it (re-entrant)."""
+        if self._results_lock is None:
+            self._results_lock = FileLock(str(self.path / RESULTS_LOCK))
+        return self._results_lock
 
     # ------------------------------------------------------------------ records
 

@@ -8,8 +8,8 @@ the trainer's), kept apart so that the trainer's module reads as its stages.
 from __future__ import annotations
 
 from posbench.evaluation.probes import ProbeRun, probe_summaries, run_probes
-from posbench.runs.records import Results, TrainRecord
-from posbench.runs.schema import versions
+from posbench.runs.results import versions
+from posbench.runs.results_types import Results, TrainRecord
 from posbench.runtime.distributed import barrier, shutdown
 
 

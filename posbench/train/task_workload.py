@@ -11,7 +11,7 @@ from torch import nn
 
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.tasks import task_results, task_summary, validation_batches, validation_metrics
-from posbench.runs.records import EvaluatedRun, Results
+from posbench.runs.results_types import EvaluatedRun, Results
 from posbench.tasks.base import EVALUATION_OPTIONS, Task, TaskBatches, answer_share
 
 DATA_OPTIONS_BEFORE = {"shifted_training": False}

@@ -20,7 +20,7 @@ from posbench.data.loader import TrainBatches
 from posbench.data.retrieval import RetrievalConfig, make_inserter
 from posbench.evaluation.loss import evaluate_run, headline, per_position_loss, validation_sets
 from posbench.runs.load import run_data
-from posbench.runs.records import EvaluatedRun, Results
+from posbench.runs.results_types import EvaluatedRun, Results
 from posbench.runs.resume import data_identity
 from posbench.train.task_workload import TaskWorkload
 

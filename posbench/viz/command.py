@@ -49,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from posbench.core.errors import PosbenchError
 from posbench.report.compare import method_order
 from posbench.report.figures import save
-from posbench.runs.results import discover_runs
+from posbench.runs.run_record import discover_runs
 from posbench.runs.rundir import RunDir
 from posbench.runtime.device import resolve_device
 from posbench.train.loggers import upload_figures

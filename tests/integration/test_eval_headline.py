@@ -88,7 +88,7 @@ def test_a_new_length_never_becomes_the_headline(tmp_path):
     assert [e["length"] for e in after["eval"]] == [64, 128] and after["eval"][0]["added"] is True
     assert headline(after, "32-64") == headline(before, "32-64") == before["eval"][0]["bands"]["32-64"]
     from posbench.runs.entries import headline_entries
-    from posbench.runs.results import RunRecord
+    from posbench.runs.run_record import RunRecord
 
     assert headline_entries(after["eval"]) == [after["eval"][1]]  # what headline() and the sweep summary read
     assert RunRecord(run_dir, after).plain().results["eval"] == after["eval"]  # plots still show both lengths
@@ -118,7 +118,7 @@ def test_other_precision_is_a_variant_not_a_duplicate(rope_run):
 def test_results_without_variants_or_marks_read_as_before():
     """A results.json written before eval_variants / added existed: every plain entry counts."""
     from posbench.runs.entries import headline_entries
-    from posbench.runs.schema import validate_results
+    from posbench.runs.results import validate_results
 
     entry = {"split": "validation", "length": 4, "num_sequences": 1, "loss_by_position": [1.0] * 4,
              "bands": {"0-2": 1.0, "2-4": 2.0}}
@@ -192,7 +192,7 @@ def test_validation_windows_are_recorded_and_named_in_the_training_figure(rope_r
     results = results_of(rope_run)
     assert results["train"]["validation_windows"] == {"val_loss": 4, "val_loss_32_64": 8}
     from posbench.report.plot import validation_subset
-    from posbench.runs.results import RunRecord
+    from posbench.runs.run_record import RunRecord
 
     assert validation_subset([RunRecord(rope_run, results)], "val_loss_32_64") == "subset of 8 held-out windows"
 
@@ -268,7 +268,7 @@ def test_plot_and_extension_table_read_a_variant_when_asked(rope_run, tmp_path):
     table = (out / "extensions.md").read_text()
     assert "| rope | yarn | 1 |" in table and "| rope | ntk | 1 |" in table
     view = json.loads(json.dumps(results_of(rope_run)))
-    from posbench.runs.results import RunRecord
+    from posbench.runs.run_record import RunRecord
 
     entries = RunRecord(rope_run, view).variant("num_sequences=2").results["eval"]
     assert [(e["length"], e["extension"], e["num_sequences"]) for e in entries] == [

@@ -13,7 +13,7 @@ import pytest
 from helpers import ENV, QUICK_TRAIN, QUIET, compose_config, posbench_cli, run_train
 
 from posbench.core.errors import PosbenchError
-from posbench.runs.results import discover_runs
+from posbench.runs.run_record import discover_runs
 from posbench.runs.spec import build_spec
 from posbench.runs.status import write_status
 

@@ -13,7 +13,7 @@ from helpers import QUICK_TASK, compose_config, posbench_cli
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.report.tasks import interval, task_tables
-from posbench.runs.results import RunRecord
+from posbench.runs.run_record import RunRecord
 from posbench.train.trainer import train
 
 

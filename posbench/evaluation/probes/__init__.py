@@ -22,7 +22,7 @@ from torch import nn
 from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.probes.merge import merge_probe_entries
-from posbench.runs.records import Results
+from posbench.runs.results_types import Results
 
 
 @dataclass(frozen=True)

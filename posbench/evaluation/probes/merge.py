@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from posbench.runs.results import shown_setting
+from posbench.runs.entries import shown_setting
 
 
 def probe_key(entry: dict[str, Any]) -> tuple[str, str, str]:
@@ -48,7 +48,7 @@ def merge_probe_entries(old: Sequence[dict[str, Any]], new: Sequence[dict[str, A
                         recorded: dict[str, Any] | None = None,
                         note: Callable[[dict[str, Any], dict[str, Any]], str] = lambda new, own: "") -> list[dict[str, Any]]:
     """``posbench eval``'s probe entries ``new`` merged into a run's ``old`` ones, like
-    :func:`posbench.runs.results.merge_eval_entries`: each new entry is compared with the run's own
+    :func:`posbench.runs.entries.merge_eval_entries`: each new entry is compared with the run's own
     entry of its :func:`probe_key` (the one without ``variant``):
     - none (another split or extension): added;
     - measured the same way (same windows, cells, precision...): the new one replaces it (the

@@ -393,7 +393,7 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     from helpers import compose_config, run_train
 
     from posbench.commands.eval import evaluate_saved_run
-    from posbench.runs.schema import read_results
+    from posbench.runs.results import read_results
 
     probe_options = ["eval.probes=[copy]", "eval.copy.distances=[8,40]", "eval.copy.span=4",
                      "eval.copy.num_windows=4", "eval.copy.kinds=[random]"]
@@ -492,8 +492,8 @@ def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -
     """A run with a validation and a test entry counts once per line (no t-interval across its
     own two entries); entries on other windows are their own line, never pooled."""
     from posbench.report.probes import cell_intervals, copy_markdown, probe_groups
-    from posbench.runs.results import discover_runs
-    from posbench.runs.schema import write_results
+    from posbench.runs.results import write_results
+    from posbench.runs.run_record import discover_runs
     from unit.report.test_compare import make_run
 
     for seed, probes in ((0, [fake_probe_entry(1.0), fake_probe_entry(2.0, split="test")]),
@@ -520,7 +520,7 @@ def test_probes_only_adds_the_probe_and_leaves_the_loss_entries_alone(trained_ru
     from helpers import compose_config
 
     from posbench.commands.eval import evaluate_saved_run
-    from posbench.runs.schema import read_results
+    from posbench.runs.results import read_results
 
     run = trained_run("method=rope")
     before = read_results(run)
@@ -548,8 +548,8 @@ def test_entries_written_before_the_matched_control_load_without_a_retrieval_gai
     from posbench.evaluation.probes.copy import entry_reach, format_gains, has_matched
     from posbench.report.probes import cell_intervals, copy_csv, copy_markdown, mean_reach
     from posbench.report.probes import probe_groups as groups_of
-    from posbench.runs.results import discover_runs
-    from posbench.runs.schema import write_results
+    from posbench.runs.results import write_results
+    from posbench.runs.run_record import discover_runs
     from unit.report.test_compare import make_run
 
     old = fake_probe_entry(1.0, matched=False)

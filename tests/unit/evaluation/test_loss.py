@@ -272,7 +272,7 @@ def test_window_stride_above_the_context_is_capped_and_logged() -> None:
 def test_a_run_evaluates_on_training_text_with_the_configured_stride(tmp_path) -> None:
     from helpers import QUICK_TRAIN, compose_config
 
-    from posbench.runs.schema import read_results
+    from posbench.runs.results import read_results
     from posbench.train.trainer import train
 
     cfg = compose_config("train", [*QUICK_TRAIN, "method=alibi", "eval.split=train", "eval.window_stride=8",

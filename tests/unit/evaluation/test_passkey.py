@@ -181,7 +181,7 @@ def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_pa
     from helpers import QUICK_TRAIN, compose_config
 
     from posbench.commands.eval import evaluate_saved_run
-    from posbench.runs.schema import read_results
+    from posbench.runs.results import read_results
     from posbench.train.trainer import train
 
     run_dir = tmp_path / "run"
@@ -208,7 +208,7 @@ def test_training_and_posbench_eval_write_passkey_entries_and_the_heatmap(tmp_pa
 def test_training_with_retrieval_inserts_and_records_it(tmp_path) -> None:
     from helpers import QUICK_TRAIN, compose_config
 
-    from posbench.runs.schema import read_results
+    from posbench.runs.results import read_results
     from posbench.train.trainer import train
 
     run_dir = tmp_path / "run"

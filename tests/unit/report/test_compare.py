@@ -15,8 +15,8 @@ from posbench.commands.sweep import sweep_summary
 from posbench.evaluation.curves import band_means, curve_summary, sequence_band_means
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.report.plot import plot_runs
-from posbench.runs.results import discover_runs
-from posbench.runs.schema import build_results, write_results
+from posbench.runs.results import build_results, write_results
+from posbench.runs.run_record import discover_runs
 from posbench.runs.status import write_status
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -174,7 +174,7 @@ def test_committed_runs_one_seed_orders_nothing() -> None:
     +-0.005) called it distinguishable. With one seed it now gets no verdict, and an interval
     widened by the seed spread of the pairs with three seeds, which holds 0."""
     from posbench.report.compare import compare_runs, paired_markdown
-    from posbench.runs.results import finished_runs
+    from posbench.runs.run_record import finished_runs
 
     names = [f"{m}-s{s}" for m in ("alibi", "rope", "nope") for s in (0, 1, 2)]
     three = finished_runs(*discover_runs([COMMITTED / n for n in names + ["fox-s0", "fox-s1", "fox-s2"]]))[0]
@@ -210,7 +210,7 @@ def test_runs_with_different_options_are_kept_apart(tmp_path: Path) -> None:
 
 
 def test_a_truncated_windowed_curve_is_invalid(tmp_path: Path) -> None:
-    from posbench.runs.schema import validate_results
+    from posbench.runs.results import validate_results
 
     results = make_run(tmp_path / "r", "rope", 0)
     results["eval"][0]["windowed"]["loss_by_position"] = results["eval"][0]["windowed"]["loss_by_position"][:-1]

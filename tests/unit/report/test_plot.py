@@ -14,8 +14,8 @@ from posbench.commands.sweep import ComparePlotsCallback, failed_jobs_of_last_sw
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.curves import band_means
 from posbench.report.plot import plot_runs, plot_single_run
-from posbench.runs.results import discover_runs, read_metrics
-from posbench.runs.schema import build_results, read_results, validate_results, write_results
+from posbench.runs.results import build_results, read_results, validate_results, write_results
+from posbench.runs.run_record import discover_runs, read_metrics
 from posbench.runs.status import read_status, write_status
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -277,7 +277,7 @@ def test_each_run_has_one_kind_selected_from_its_record(tmp_path) -> None:
     """plot, the sweep summary and a run's figures ask the run's kind (posbench.report.kinds); a
     kind is chosen once, from results.json, and every run has exactly one."""
     from posbench.report.kinds import RUN_KINDS, TaskKind, TextKind, by_kind, kind_of, split_unscored
-    from posbench.runs.results import RunRecord
+    from posbench.runs.run_record import RunRecord
 
     text = RunRecord(path=tmp_path / "a", results={"method": "rope", "eval": []})
     task = RunRecord(path=tmp_path / "b", results={"method": "rope", "eval": [], "task": {

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from posbench.evaluation.curves import curve_summary
-from posbench.runs.results import discover_runs
-from posbench.runs.schema import write_results
+from posbench.runs.results import write_results
+from posbench.runs.run_record import discover_runs
 from unit.report.test_compare import C, entry, make_run, per_sequence
 
 

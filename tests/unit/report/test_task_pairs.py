@@ -8,7 +8,7 @@ import pytest
 
 from posbench.report.task_pairs import task_pairs, task_pairs_markdown
 from posbench.report.tasks import task_tables
-from posbench.runs.results import RunRecord
+from posbench.runs.run_record import RunRecord
 
 C = 64
 T_975_1 = 12.706204736174707  # Student-t quantile 0.975 with 1 degree of freedom (tables)

@@ -216,7 +216,7 @@ def test_cli_trains_grid_tasks_and_plots_them_by_grid_side(tmp_path):
 
 def fake_run(tmp_path, method: str, seed: int, name: str = "same_line"):
     """A grid task run's record: entries of random right answers on the real test grids."""
-    from posbench.runs.results import RunRecord
+    from posbench.runs.run_record import RunRecord
 
     t = grid_task(name)
     entries = []
@@ -251,7 +251,7 @@ def test_grid_comparisons_are_drawn_against_grid_side(tmp_path):
 
 def as_sequence_task(run):
     """The same record named as a sequence task (copy): lengths stay lengths."""
-    from posbench.runs.results import RunRecord
+    from posbench.runs.run_record import RunRecord
 
     return RunRecord(run.path, {**run.results, "task": {**run.results["task"], "name": "copy"}})
 

@@ -21,7 +21,7 @@ from posbench.evaluation.tasks import answer_details, evaluate_task, learnt_at_c
 from posbench.model.transformer import ModelConfig, build_model
 from posbench.report.plot import plot_runs
 from posbench.report.tasks import tables_csv, tables_markdown, task_tables
-from posbench.runs.results import RunRecord
+from posbench.runs.run_record import RunRecord
 from posbench.tasks import TEST, make_task
 from posbench.train.task_workload import TaskWorkload
 from posbench.train.trainer import train

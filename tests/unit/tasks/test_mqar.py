@@ -15,7 +15,7 @@ from helpers import compose_config
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.tasks import sequence_accuracy, task_entry
 from posbench.report.tasks import tables_csv, tables_markdown, task_figure, task_tables
-from posbench.runs.results import RunRecord
+from posbench.runs.run_record import RunRecord
 from posbench.runs.spec import build_spec
 from posbench.tasks import IGNORE, TEST, Batch, TaskBatches, make_task
 

@@ -1,4 +1,4 @@
-"""The typed dicts of posbench.runs.records match what the producers really write: every key of a
+"""The typed dicts of posbench.runs.results_types match what the producers really write: every key of a
 real results.json (a trained text run) and of real task entries is declared, and every required
 key is present, recursively through the nested pieces."""
 
@@ -15,7 +15,7 @@ from helpers import results_of, run_eval
 
 from posbench.evaluation.tasks import answer_scores, task_entry
 from posbench.model.transformer import ModelConfig, build_model
-from posbench.runs.records import IntervalSummary, LossEntry, Results, TaskEntry
+from posbench.runs.results_types import IntervalSummary, LossEntry, Results, TaskEntry
 from posbench.tasks import TEST, make_task
 
 C = 32
