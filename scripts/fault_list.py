@@ -25,6 +25,8 @@ TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 from helpers import QUICK_TRAIN  # noqa: E402
 
+from posbench.core.paths import recorded_location  # noqa: E402
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MPLBACKEND": "Agg",
        "PYTHONPATH": str(TESTS)}
 
@@ -101,7 +103,7 @@ def text_changed_eval(tmp: Path) -> tuple[str, str]:
         return "crash", proc.stderr.strip().splitlines()[-1]
     if len(list((cache / "data").iterdir())) != caches or after != before:
         return "wrong", "a new tokenizer was trained"
-    shutil.rmtree(json.loads((run / "results.json").read_text())["data"]["dir"])
+    shutil.rmtree(recorded_location(json.loads((run / "results.json").read_text())["data"]["dir"]))
     gone = cli("eval", f"run={run}", "eval.lengths=[64]", "eval.num_sequences=2")
     outcome, line = refused(gone, "is gone and cannot be rebuilt")
     return ("handled" if outcome == "refused cleanly" else outcome,

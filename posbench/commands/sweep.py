@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 
 from posbench.config import config_names
 from posbench.core.io import write_text_atomic
+from posbench.core.paths import recorded_path
 from posbench.runs.entries import headline_entries
 from posbench.runs.results import RESULTS_FILE
 from posbench.runs.run_record import RunRecord, discover_runs, finished_runs
@@ -122,7 +123,7 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
     runs, problems = finished_runs(runs, problems)  # idempotent: a failed run never enters the tables
     from posbench.report.kinds import by_kind  # here, not at import: it loads matplotlib, which a job never needs
     root = Path(sweep_dir)
-    lines = [f"# Sweep summary: {root}", "", f"## Finished ({len(runs)})", ""]
+    lines = [f"# Sweep summary: {recorded_path(root)}", "", f"## Finished ({len(runs)})", ""]
     # Each kind of run (text, task) writes its own part: (run -> its group, the part's lines).
     parts = [kind.summary(kind_runs) for kind, kind_runs in by_kind(runs).items()]
     group_of = {path: group for part_groups, _ in parts for path, group in part_groups.items()}

@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from posbench.core.errors import PosbenchError
+from posbench.core.paths import recorded_location
 from posbench.data import PreparedData, cache_dir_of, prepare_data
 from posbench.model.transformer import ModelConfig, Transformer, build_model
 from posbench.runs.checkpoint import list_checkpoints, load_latest_checkpoint, load_model_weights
@@ -60,8 +61,8 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu", log: Calla
 def run_data(run: Run, log: Callable[[str], None] = logger.info):
     """The run's own token cache, with the tokenizer it trained with; never a new tokenizer.
 
-    The run records its cache directory (results.json ``data.dir``, the checkpoint's
-    ``data_dir``) and the sha256 of its tokenizer (``data.meta.tokenizer.sha256``). That cache
+    The run records its cache directory (the checkpoint's ``data_dir``; results.json's ``data.dir``,
+    relative to the repository or from ``~`` since posbench stopped recording absolute paths) and the sha256 of its tokenizer (``data.meta.tokenizer.sha256``). That cache
     is used when it is still there with that tokenizer, even if the training text changed since:
     it holds the very tokens the run trained and was evaluated on. A cache that is gone is
     rebuilt only from unchanged text, and the rebuilt tokenizer must match the checksum.
@@ -69,7 +70,9 @@ def run_data(run: Run, log: Callable[[str], None] = logger.info):
     comparable with the run's own.
     """
     recorded = (run.results or {}).get("data") or {}
-    recorded_dir = recorded.get("dir") or run.data_dir
+    # The checkpoint's own path first (this machine's); results.json's may be relative to the repository.
+    where = run.data_dir or recorded.get("dir")
+    recorded_dir = str(recorded_location(where)) if where else None
     recorded_sha = ((recorded.get("meta") or {}).get("tokenizer") or {}).get("sha256")
     cfg = data_config(run.config.data)
 

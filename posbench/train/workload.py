@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from posbench.core.paths import recorded_path
 from posbench.data import PreparedData, prepare_data
 from posbench.data.loader import TrainBatches
 from posbench.data.retrieval import RetrievalConfig, make_inserter
@@ -123,9 +124,12 @@ class TextWorkload:
         return evaluate_run(model, self.text, spec, device, amp_dtype, log)
 
     def record(self) -> dict[str, Any]:
+        """results.json's ``data``: the token cache (relative to the repository, or from ``~``:
+        no absolute path of this machine), its meta, and data.retrieval when it is on."""
+        shown = recorded_path(self.text.dir)
         if not self.retrieval.active:
-            return {"dir": str(self.text.dir), "meta": self.text.meta}
-        return {"dir": str(self.text.dir), "meta": self.text.meta, "retrieval": self.retrieval.to_dict()}
+            return {"dir": shown, "meta": self.text.meta}
+        return {"dir": shown, "meta": self.text.meta, "retrieval": self.retrieval.to_dict()}
 
     def summary(self, results: Results) -> dict[str, float]:
         return {}

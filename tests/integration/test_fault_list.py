@@ -13,6 +13,7 @@ import pytest
 from helpers import ENV, QUICK_TRAIN, QUIET, compose_config, posbench_cli, run_train
 
 from posbench.core.errors import PosbenchError
+from posbench.core.paths import recorded_location
 from posbench.runs.run_record import discover_runs
 from posbench.runs.spec import build_spec
 from posbench.runs.status import write_status
@@ -102,7 +103,7 @@ def test_eval_uses_the_runs_own_tokenizer_and_never_trains_a_new_one(tmp_path):
     run_train(run, "method=rope", "data=local", f"data.path={text}", f"data.cache_dir={cache}",
               "data.bpe_vocab_size=300", "eval.num_sequences=2")
     results = json.loads((run / "results.json").read_text())
-    recorded = Path(results["data"]["dir"])
+    recorded = recorded_location(results["data"]["dir"])
     first = results["eval"][0]["loss_by_position"]
 
     # The cache is gone but the text is unchanged: it is rebuilt, with a verified tokenizer.

@@ -1,8 +1,11 @@
-"""The documentation's links and the README's contract with CI.
+"""The documentation's links, cited files and wording, and the README's contract with CI.
 
 Every relative link in README.md and docs/**/*.md must name an existing file, and a link with an
 anchor (``file.md#section`` or ``#section``) a heading of that file, by GitHub's rule for heading
-anchors. Links to other sites (http, https, mailto) are not fetched.
+anchors. Links to other sites (http, https, mailto) are not fetched. Every file of the repository
+that README.md or a docs/*.md page cites by path (``posbench/runs/rundir.py``,
+``tests/integration/test_adding_a_task.py``) must exist; the examples of the guides, in code
+blocks, are files a user writes and are not checked.
 """
 
 import re
@@ -59,6 +62,25 @@ def broken_links(path: Path) -> list[str]:
     return broken
 
 
+CITED = re.compile(r"(?<![\w/.\-])((?:posbench|tests|scripts|configs|hydra_plugins|docs|\.ci)/[\w./\-]*[\w/])")
+"""A path into the repository's folders, as the pages cite one (in backticks or plain)."""
+
+
+def missing_cited_files(path: Path) -> list[str]:
+    """The repository paths ``path`` cites outside code blocks that exist neither from the
+    repository's root nor from the page's folder. A path continued by a placeholder or a pattern
+    (``configs/method/<name>.yaml``, ``docs/*.md``, ``{a,b}``) is not one file and is skipped."""
+    text = FENCE.sub("", path.read_text(encoding="utf-8"))
+    missing = []
+    for match in CITED.finditer(text):
+        cited = match.group(1).rstrip(".")
+        if text[match.end():match.end() + 1] in ("<", "*", "{", "["):
+            continue
+        if not (ROOT / cited).exists() and not (path.parent / cited).exists():
+            missing.append(cited)
+    return missing
+
+
 def count_links(path: Path) -> int:
     return len(LINK.findall(INLINE_CODE.sub("", FENCE.sub("", path.read_text(encoding="utf-8")))))
 
@@ -66,6 +88,26 @@ def count_links(path: Path) -> int:
 @pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(path):
     assert broken_links(path) == []
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_files_exist(path):
+    assert missing_cited_files(path) == []
+
+
+def test_the_cited_file_checker_catches_a_missing_file(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Run `tests/project/test_docs.py` and scripts/no_such_script.py; `posbench/runs/gone.py`.\n"
+                    "Each `configs/method/<name>.yaml`, every `docs/*.md`.\n\n```\n# configs/task/mine.yaml\n```\n")
+    assert missing_cited_files(page) == ["scripts/no_such_script.py", "posbench/runs/gone.py"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_pages_speak_to_users_not_of_a_tracker(path):
+    """The pages describe posbench, not the tracker that planned it (no "issue 27", "the issue's")."""
+    hits = [line for line in path.read_text(encoding="utf-8").splitlines() if re.search(r"issues?\b", line)]
+    assert hits == []
 
 
 def test_readme_links_into_the_docs():
@@ -122,7 +164,9 @@ def test_mkdocs_nav_lists_every_page():
             for value in node.values():
                 yield from pages(value)
 
-    listed = set(pages(nav))
+    every = list(pages(nav))
+    assert sorted({p for p in every if every.count(p) > 1}) == [], "mkdocs.yml nav lists a page twice"
+    listed = set(every)
     missing = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in listed)
     assert missing == [], f"mkdocs.yml nav lacks {missing}"
     assert all((ROOT / "docs" / page).is_file() for page in listed), sorted(listed)
