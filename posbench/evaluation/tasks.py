@@ -228,12 +228,13 @@ def task_summary(results: EvaluatedRun) -> dict[str, float]:
     """``task/<metric>_<L>`` of the plain model on the standard test (``task/<test>_<metric>_<L>``
     on the others): the W&B summary and the run's last log line; empty for text runs."""
     out: dict[str, float] = {}
-    for entry in (results.get("task") or {}).get("entries", []):
+    task = results.get("task") or {}
+    for entry in task.get("entries", []):
         if entry.get("extension", NONE) != NONE:
             continue
         test = entry.get("test_set", STANDARD)
         prefix = "" if test == STANDARD else f"{test}_"
-        for metric in ("accuracy", "exact_match"):
+        for metric in task.get("metrics", ["accuracy"]):  # the metrics the task declared
             if metric in entry and entry[metric]["mean"] is not None:
                 out[f"task/{prefix}{metric}_{entry['length']}"] = float(entry[metric]["mean"])
     return out

@@ -10,7 +10,9 @@ Gating: a seed that did not learn its task at C (accuracy at C on the standard t
 ``task.learnt_at_c``; :func:`posbench.evaluation.tasks.learnt_at_c`) is never averaged: the tables
 and figures average the learnt seeds only and list the others, seed by seed, as "not learnt at
 C". Each test set (``task.tests``) gets its own tables, with its baselines (chance and the
-shortcuts) and, where the task reports them, its lookback or string lengths beside them.
+shortcuts) and the task's answer axes (lookback, string length, ...) beside them. What a table
+shows comes from the run's task record and the task's declarations (:class:`posbench.tasks.Task`
+``metrics``, ``TESTS``, ``TEST_NOTES``, ``AXES``): nothing here names a task.
 
 Writes ``tasks_<task>.png`` (accuracy and, for copy, exact match against length), ``tasks.md``
 and ``tasks.csv``.
@@ -34,7 +36,7 @@ from posbench.evaluation.tasks import learnt_at_c
 from posbench.model.extension import NONE
 from posbench.report.compare import group_runs
 from posbench.report.figures import line_styles, new_figure, save
-from posbench.runs.results_types import AxisSummary, TaskEntry
+from posbench.runs.results_types import AxisSummary, TaskEntry, TaskRecord
 from posbench.runs.run_record import RunRecord
 from posbench.tasks.base import STANDARD, task_class
 
@@ -92,10 +94,27 @@ def interval(runs: Sequence[RunRecord], metric: str, length: int, bucket: str | 
     return across_runs([float(block["mean"]) for block in blocks])
 
 
+def metrics_of(task: TaskRecord) -> list[str]:
+    """The metrics a task record holds (``accuracy``, plus ``exact_match`` where a sequence is one answer)."""
+    return list(task.get("metrics", ["accuracy"]))
+
+
+def axes_of(task: TaskRecord) -> dict[str, str]:
+    """The answer axes a task's tables report, name -> its name in tasks.md: the task's ``AXES``;
+    for a task this posbench does not know, every axis its entries hold (``by_<name>`` beside a
+    ``<name>`` summary)."""
+    cls = task_class(task.get("name", ""))
+    if cls is not None:
+        return dict(cls.AXES)
+    held = [key[3:] for e in task.get("entries", []) for key in e
+            if key.startswith("by_") and key != "by_position" and isinstance(e.get(key[3:]), dict)]
+    return {name: name.replace("_", " ") for name in dict.fromkeys(held)}
+
+
 def unscored_reason(run: RunRecord) -> str | None:
     """Why a task run cannot be shown (NaN accuracies), or None."""
     bad = sorted({f"{test_set(e)} L={e['length']}" for e in run.results["task"].get("entries", [])
-                  for metric in ("accuracy", "exact_match")
+                  for metric in metrics_of(run.results["task"])
                   if isinstance((e.get(metric) or {}).get("mean"), float) and math.isnan(e[metric]["mean"])})
     return f"its results.json holds NaN task accuracies ({', '.join(bad)})" if bad else None
 
@@ -120,6 +139,15 @@ class TaskTable:
     """length -> what follows its name (an image task's size in pixels: ``14x14 (56 px)``)."""
     paired_tests: list[str] = field(default_factory=lambda: [STANDARD])
     """The test sets ``tasks_paired.md`` compares on (the task's ``PAIRED_TESTS``)."""
+    test_notes: dict[str, str] = field(default_factory=dict)
+    """Test set -> the line under its heading (the task's ``TEST_NOTES``)."""
+    axes: dict[str, str] = field(default_factory=dict)
+    """The answer axes reported, name -> its name in tasks.md (:func:`axes_of`)."""
+
+    @property
+    def bands(self) -> dict[str, str]:
+        """The band breakdowns of an entry shown, ``by_position`` and ``by_<axis>``, and their names in tasks.md."""
+        return {"by_position": "answer position", **{f"by_{name}": title for name, title in self.axes.items()}}
 
     def length_name(self, length: int) -> str:
         """``L=256 (1C)`` (``L=100``), or a grid's ``16x16`` (an image's ``14x14 (56 px)``)."""
@@ -148,11 +176,11 @@ class TaskTable:
         return {"chance": self.chance}
 
     def axis(self, test: str, length: int) -> tuple[str, AxisSummary] | None:
-        """The test's answer axis (``lookback``, ``string_length``) summary at ``length``, if stored."""
+        """The test's answer axis (the first of :attr:`axes` stored) summary at ``length``, if stored."""
         for runs in self.groups.values():
             for run in runs:
                 entry = plain_entries(run, "accuracy", test).get(length, {})
-                for name in ("lookback", "string_length"):
+                for name in self.axes:
                     if isinstance(entry.get(name), dict):
                         return name, entry[name]
         return None
@@ -173,9 +201,10 @@ def task_tables(runs: Sequence[RunRecord]) -> list[TaskTable]:
         cls = task_class(task["name"])
         notes = {L: cls.length_note(L, task.get("options") or {}) for L in lengths} if cls is not None else {}
         paired = [t for t in (cls.PAIRED_TESTS if cls is not None else [STANDARD]) if t in tests]
-        tables.append(TaskTable(task["name"], label, groups, lengths, list(task.get("metrics", ["accuracy"])),
+        tables.append(TaskTable(task["name"], label, groups, lengths, metrics_of(task),
                                 float(task.get("chance", 0.0)), min(r.train_context for r in members), tests,
-                                grid=cls is not None and cls.layout == "grid", notes=notes, paired_tests=paired))
+                                grid=cls is not None and cls.layout == "grid", notes=notes, paired_tests=paired,
+                                test_notes=dict(cls.TEST_NOTES) if cls is not None else {}, axes=axes_of(task)))
     return tables
 
 
@@ -189,40 +218,6 @@ def _cell(value: Interval | None) -> str:
 
 def _how(runs: Sequence[RunRecord]) -> str:
     return f"t over {len(runs)} seeds" if len(runs) > 1 else "bootstrap over sequences (1 seed)"
-
-
-TEST_NOTES = {
-    ("flipflop", STANDARD): "instructions drawn as in training (task.eval_p_ignore): the reads look back about "
-                            "as far at 8C as at C (see the lookback row)",
-    ("flipflop", "sparse"): "p_ignore 0.98 (Liu et al.'s sparse test): long runs of ignores before a read",
-    ("flipflop", "far"): "one scored read per sequence whose last write lies a drawn lookback back, stratified "
-                         "over the bands 0-C, C-2C, ... of the length: at 8C a quarter of the reads look back > 4C",
-    ("copy", STANDARD): "the longest string that fits, n = L/2: past C the string is longer than any in training "
-                        "and copied from further back, at new positions",
-    ("copy", "shifted"): "a training-length string placed within the last C tokens: past C only the positions are new",
-    ("assoc_recall", STANDARD): "N pairs at every length, queries at power-law gaps, values as labels only; "
-                                "baselines: `chance` guesses among all values, `in_context` among the values in the "
-                                "sequence (1/N), `elimination` among the values whose pairs have not been queried "
-                                "yet (1/N when answers are labels only): a model above them reads the query key",
-    ("life", STANDARD): "one Game of Life step at every cell; baselines: `unchanged` (every cell keeps its state) "
-                        "and `all_dead`",
-    ("lookup", STANDARD): "one query cell per grid asks for the symbol 1-3 cells away; baselines: `most_frequent` "
-                          "(the grid's most frequent symbol) and `one_offset` (the best single offset for every query)",
-    ("same_line", STANDARD): "markers A and B: row, col or neither at B, balanced; baseline: `majority` (the most "
-                             "common answer)",
-    ("fashion", "canvas"): "each test image pasted unchanged at a seeded place on a blank canvas of the size (the "
-                           "training scale at new positions), one pooled answer per image; the learnt-at-C gate reads "
-                           "this test set. Baselines: nearest class centroid (fitted on the training images) of the "
-                           "histogram of the ink pixel values, `ink_histogram` normalised, `ink_counts` raw: guesses "
-                           "that read no position",
-    ("fashion", "zoom"): "each test image upsampled to the size (bilinear: the object fills the grid, each patch a "
-                         "smaller part of it), one pooled answer per image; baselines as for canvas",
-}
-"""One line per test set in tasks.md (docs/tasks.md and docs/grid.md describe them)."""
-
-
-BANDS = {"by_position": "answer position", "by_lookback": "lookback", "by_string_length": "string length"}
-"""The band breakdowns of an entry, and their names in tasks.md."""
 
 
 def _head(table: TaskTable) -> str:
@@ -290,7 +285,7 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
         trained = f"{table.length_name(c)} = {c} cells" if table.grid else f"C = {c}"
         lines += [f"## {table.label}", "", f"Training context {trained}; chance {table.chance:.3f}.", ""]
         for test in table.tests:
-            lines += [f"### test set `{test}`", "", TEST_NOTES.get((table.name, test), test) + ".", ""]
+            lines += [f"### test set `{test}`", "", table.test_notes.get(test, test) + ".", ""]
             for metric in table.metrics:
                 lines += [f"**{metric}**", "", f"| method | seeds | {_head(table)} | interval | not learnt at C |",
                           "|---|---:|" + "---:|" * len(table.lengths) + "---|---|"]
@@ -306,7 +301,7 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
                     lines += [f"not learnt at C ({metric}, each seed alone; no claim past C):", "",
                               f"| run | accuracy at C < threshold | {_head(table)} |",
                               "|---|---|" + "---:|" * len(table.lengths), *not_learnt, ""]
-            for by, title in BANDS.items():
+            for by, title in table.bands.items():
                 lines += _band_table(table, test, by, title)
     return "\n".join(lines)
 
@@ -329,7 +324,7 @@ def tables_csv(tables: Sequence[TaskTable]) -> str:
                 for metric in table.metrics:
                     for L in table.lengths:
                         entry = plain_entries(runs[0], metric, test).get(L, {}) if runs else {}
-                        bands = [(None, "by_position")] + ([(b, by) for by in BANDS for b in entry.get(by, {})]
+                        bands = [(None, "by_position")] + ([(b, by) for by in table.bands for b in entry.get(by, {})]
                                                            if metric == "accuracy" else [])
                         for bucket, by in bands:
                             value = interval(runs, metric, L, bucket, test, by)
@@ -345,16 +340,16 @@ def tables_csv(tables: Sequence[TaskTable]) -> str:
     return buffer.getvalue()
 
 
-SHORTCUTS = ("previous_bit", "previous_symbol", "most_frequent", "in_context", "elimination", "unchanged", "all_dead",
-             "one_offset", "majority", "ink_histogram", "ink_counts")
-"""Baselines drawn as the best shortcut line (the window-C oracle is drawn apart)."""
+NOT_SHORTCUTS = ("chance", "window_C")
+"""Baselines drawn apart: chance (its own line) and the window-C oracle; every other baseline a
+task stores is a shortcut, drawn as the best shortcut line."""
 
 
 def _baseline_lines(ax, table: TaskTable, test: str) -> None:
     """Chance (dotted), the best shortcut (dashed) and the window-C oracle (dash-dot), in grey."""
     ax.axhline(table.chance, color="grey", linestyle=":", linewidth=1, label="chance")
     values = [table.baselines(test, L) for L in table.lengths]
-    best = [max((v[k] for k in SHORTCUTS if k in v), default=None) for v in values]
+    best = [max((v[k] for k in v if k not in NOT_SHORTCUTS), default=None) for v in values]
     if any(b is not None for b in best):
         ax.plot([table.x(L) for L, b in zip(table.lengths, best, strict=True) if b is not None],
                 [b for b in best if b is not None],

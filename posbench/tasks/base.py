@@ -142,6 +142,13 @@ class Task:
     without one)."""
     PAIRED_TESTS: tuple[str, ...] = (STANDARD,)
     """The test sets ``tasks_paired.md`` compares methods on."""
+    TEST_NOTES: dict[str, str] = {}
+    """What each test set measures, one line under its heading in ``tasks.md`` (a test set
+    without a note is shown by its name)."""
+    AXES: dict[str, str] = {}
+    """The answer axes of :meth:`answer_axes` that the tables report, name -> how ``tasks.md``
+    names it: each gets a summary row beside the baselines and a table of accuracy by its bands
+    (``by_<name>``). An axis the task computes but leaves out here is stored in results.json only."""
     LEARNT_AT_C: float = 0.9
     """Default of ``task.learnt_at_c``: the accuracy at C on the standard test that a run must
     reach to count as having learnt the task (else it is never averaged into a claim past C)."""
@@ -190,7 +197,8 @@ class Task:
 
     def answer_axes(self, batch: Batch) -> dict[str, np.ndarray]:
         """Per answer, the quantities besides position that an answer's accuracy is reported by
-        (``(N, L)`` int arrays read where ``batch.answers`` is set), e.g. ``lookback``."""
+        (``(N, L)`` int arrays read where ``batch.answers`` is set), e.g. ``lookback``; the tables
+        show those :attr:`AXES` names."""
         return {}
 
     def axis_bands(self, axis: str, length: int) -> list[tuple[int, int]]:

@@ -35,6 +35,14 @@ class FlipFlop(Task):
     WRITE, IGNORE_OP, READ, ZERO = 0, 1, 2, 3
     TESTS = (STANDARD, "sparse", "far")
     PAIRED_TESTS = TESTS  # the sparse and far tests are the ones whose lookback grows with length
+    TEST_NOTES = {
+        STANDARD: "instructions drawn as in training (task.eval_p_ignore): the reads look back about as far at 8C as "
+                  "at C (see the lookback row)",
+        "sparse": "p_ignore 0.98 (Liu et al.'s sparse test): long runs of ignores before a read",
+        "far": "one scored read per sequence whose last write lies a drawn lookback back, stratified over the bands "
+               "0-C, C-2C, ... of the length: at 8C a quarter of the reads look back > 4C",
+    }
+    AXES = {"lookback": "lookback"}
     LEARNT_AT_C = 0.95
     SPARSE_P_IGNORE = 0.98
 
@@ -137,6 +145,12 @@ class AssocRecall(Task):
     query region, and so the gaps, grow with ``L``."""
 
     name = "assoc_recall"
+    TEST_NOTES = {
+        STANDARD: "N pairs at every length, queries at power-law gaps, values as labels only; baselines: `chance` "
+                  "guesses among all values, `in_context` among the values in the sequence (1/N), `elimination` "
+                  "among the values whose pairs have not been queried yet (1/N when answers are labels only): a "
+                  "model above them reads the query key",
+    }
 
     def __init__(self, context: int, *, seed: int = 0, num_pairs: int = 8, num_keys: int = 64,
                  num_values: int = 64, power_a: float = 0.01, tests: list[str] | None = None,
@@ -239,6 +253,12 @@ class Copy(Task):
     metrics = ("accuracy", "exact_match")
     TESTS = (STANDARD, "shifted")
     PAIRED_TESTS = TESTS  # shifted: only the positions are new past C
+    TEST_NOTES = {
+        STANDARD: "the longest string that fits, n = L/2: past C the string is longer than any in training and "
+                  "copied from further back, at new positions",
+        "shifted": "a training-length string placed within the last C tokens: past C only the positions are new",
+    }
+    AXES = {"string_length": "string length"}
 
     def __init__(self, context: int, *, seed: int = 0, num_symbols: int = 16, min_length: int = 1,
                  shifted_training: bool = False, tests: list[str] | None = None,

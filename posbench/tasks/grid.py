@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from posbench.core.errors import PosbenchError
-from posbench.tasks.base import Batch, Task, register_task
+from posbench.tasks.base import STANDARD, Batch, Task, register_task
 
 
 def square_side(length: int, what: str) -> int:
@@ -40,6 +40,7 @@ class GridTask(Task):
 
     layout = "grid"
     MIN_SIDE = 2
+    AXES = {}  # the ring axis is stored (by_ring), but by_position already holds the rings: not tabled twice
 
     def __init__(self, context: int, *, seed: int = 0, tests=None, learnt_at_c=None) -> None:
         super().__init__(context, seed=seed, tests=tests, learnt_at_c=learnt_at_c)
@@ -113,6 +114,8 @@ class Life(GridTask):
 
     name = "life"
     vocab = ("dead", "alive")
+    TEST_NOTES = {STANDARD: "one Game of Life step at every cell; baselines: `unchanged` (every cell keeps its state) "
+                            "and `all_dead`"}
     DEAD, ALIVE = 0, 1
 
     def __init__(self, context: int, *, seed: int = 0, density: float = 0.35, tests=None, learnt_at_c=None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from posbench.core.errors import PosbenchError
-from posbench.tasks.base import Batch, positive_int, register_task
+from posbench.tasks.base import STANDARD, Batch, positive_int, register_task
 from posbench.tasks.grid import GridTask, square_side
 
 OFFSETS: tuple[tuple[int, int], ...] = ((0, 1), (1, 0), (0, -2), (-2, 0), (1, 1), (-1, 2), (2, -1), (-3, -3))
@@ -25,6 +25,8 @@ class Lookup(GridTask):
 
     name = "lookup"
     MIN_SIDE = 4  # every offset fits somewhere
+    TEST_NOTES = {STANDARD: "one query cell per grid asks for the symbol 1-3 cells away; baselines: `most_frequent` "
+                            "(the grid's most frequent symbol) and `one_offset` (the best single offset for every query)"}
 
     def __init__(self, context: int, *, seed: int = 0, num_symbols: int = 8, tests=None, learnt_at_c=None) -> None:
         super().__init__(context, seed=seed, tests=tests, learnt_at_c=learnt_at_c)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from posbench.tasks.base import Batch, register_task
+from posbench.tasks.base import STANDARD, Batch, register_task
 from posbench.tasks.grid import GridTask, square_side
 
 
@@ -21,6 +21,8 @@ class SameLine(GridTask):
 
     name = "same_line"
     vocab = ("empty", "A", "B", "row", "col", "neither")
+    TEST_NOTES = {STANDARD: "markers A and B: row, col or neither at B, balanced; baseline: `majority` (the most common "
+                            "answer)"}
     EMPTY, A, B, ROW, COL, NEITHER = range(6)
 
     def chance(self) -> float:

@@ -69,6 +69,14 @@ class Fashion(GridTask):
     head = "pooled"
     TESTS = ("canvas", "zoom")
     PAIRED_TESTS = TESTS
+    TEST_NOTES = {
+        "canvas": "each test image pasted unchanged at a seeded place on a blank canvas of the size (the training "
+                  "scale at new positions), one pooled answer per image; the learnt-at-C gate reads this test set. "
+                  "Baselines: nearest class centroid (fitted on the training images) of the histogram of the ink "
+                  "pixel values, `ink_histogram` normalised, `ink_counts` raw: guesses that read no position",
+        "zoom": "each test image upsampled to the size (bilinear: the object fills the grid, each patch a smaller part "
+                "of it), one pooled answer per image; baselines as for canvas",
+    }
     LEARNT_AT_C = 0.75
     BASELINES = {"ink_histogram": True, "ink_counts": False}
     """Baseline name -> whether its histogram is normalised."""

@@ -1,7 +1,8 @@
 """Adding a task touches its module, its ``configs/task/<name>.yaml`` and its tests, nothing else
 (docs/adding-a-task.md): a task defined here, registered with ``@register_task`` and given a task
 YAML (in a config folder of its own, on Hydra's search path) trains through the real trainer on
-the shared task model preset, is scored against its baselines and drawn by ``posbench plot``."""
+the shared task model preset, is scored against its baselines and drawn by ``posbench plot``,
+whose tables show what the task declares: its test sets' notes and a new answer axis."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from helpers import compose_config
 
 from posbench.tasks import Batch, Task, list_tasks, register_task, unregister_task
+from posbench.tasks.base import STANDARD
 
 NAME = "test_first"
 SYMBOLS = 4
@@ -37,9 +39,16 @@ class FirstSymbol(Task):
 
     name = NAME
     vocab = tuple("abcd")
+    TEST_NOTES = {STANDARD: "the last target is the sequence's first symbol"}
+    AXES = {"reach": "reach to the first symbol"}
 
     def chance(self) -> float:
         return 1 / SYMBOLS
+
+    def answer_axes(self, batch: Batch) -> dict[str, np.ndarray]:
+        """``reach``: how far back the answer's source lies (L - 1 for the last target)."""
+        n, length = batch.answers.shape
+        return {"reach": np.broadcast_to(np.arange(length), (n, length)).astype(np.int64)}
 
     def generate(self, rng: np.random.Generator, n: int, length: int, split: str) -> Batch:
         tokens = rng.integers(0, SYMBOLS, size=(n, length + 1))  # (N, L + 1)
@@ -85,7 +94,8 @@ def test_a_registered_task_trains_is_scored_and_plotted(task_configs, tmp_path) 
     cfg = compose_config("train", [task_configs, f"task={NAME}", "logger=none", "trainer.precision=fp32",
                                    "trainer.batch_size=8", "trainer.val_every=0", "trainer.val_sequences=8",
                                    "trainer.checkpoint_every_steps=0", "trainer.checkpoint_every_minutes=0",
-                                   "eval.num_sequences=8", "eval.batch_size=8"])
+                                   "eval.num_sequences=8", "eval.batch_size=8",
+                                   "+task.learnt_at_c=0.0"])  # 6 steps learn nothing: every seed is averaged
     train(cfg, run_dir, log=lambda _: None)
     results = read_results(run_dir)
     assert results["task"]["name"] == NAME and results["model"]["flavour"] == f"task_{NAME}"
@@ -96,4 +106,11 @@ def test_a_registered_task_trains_is_scored_and_plotted(task_configs, tmp_path) 
     assert (run_dir / "figures" / f"task_{NAME}.png").is_file()  # the run's own figure (its kind's)
     out = tmp_path / "comparison"
     written = plot_runs([str(run_dir)], out, log=lambda _: None)
-    assert str(out / f"tasks_{NAME}.png") in written["files"] and f"## {NAME} " in (out / "tasks.md").read_text()
+    tables = (out / "tasks.md").read_text()
+    assert str(out / f"tasks_{NAME}.png") in written["files"] and f"## {NAME} " in tables
+    # What the task declares reaches the tables: its test set's note and its answer axis, with
+    # the axis's summary row, its band table and its rows in tasks.csv.
+    assert "the last target is the sequence's first symbol." in tables
+    assert "| *reach: median / p90 / share >= C* | | 15 / 15 / 0.000 | 31 / 31 / 1.000 | tokens | |" in tables
+    assert "**accuracy by reach to the first symbol at L=32** (learnt seeds)\n\n| method | 0-16 | 16-32 |" in tables
+    assert ",reach:16-32," in (out / "tasks.csv").read_text()
