@@ -104,9 +104,10 @@ class TrainerConfig:
     progress: bool = True
     """Show a progress bar (on a terminal) with loss, tokens/s and ETA."""
     progress_every_seconds: float = 30
-    """Off a terminal (a log file, a batch job): a line ``step N/M (P%) loss L T tok/s S steps/s
-    ETA hh:mm:ss`` every this many seconds and at the last step (0 = a line every 5 % of the
-    steps instead)."""
+    """Off a terminal (a log file, a batch job): a line ``step N/M (P%) loss L at step K T tok/s
+    S steps/s ETA hh:mm:ss`` every this many seconds and at the last step, with the loss and
+    tokens/s of the last logged step K (``-`` before the first one); 0 = a line every 5 % of the
+    steps instead."""
 
     def validate(self) -> None:
         s = "trainer"
