@@ -63,6 +63,8 @@ class TrainerConfig:
     compile_mode: str = "default"
     """How a compiled model is compiled: default (``torch.compile(model)``) | reduce-overhead
     (CUDA graphs, CUDA only) | max-autotune-no-cudagraphs | max-autotune (CUDA graphs, CUDA only).
+    A CUDA-graph mode off CUDA is refused unless trainer.compile=false; a mode left unused (no
+    compile) is logged.
     Which are bitwise equal to default: docs/benchmarks.md#faster-paths-and-scriptsspeedpy."""
     compile_cache: str | None = None
     """A folder for torch.compile's caches (Inductor's compiled graphs and kernels, Triton's

@@ -277,6 +277,9 @@ class Trainer(Checkpoints, FinalEvaluation):
             self.model = DistributedDataParallel(self.raw_model, device_ids=device_ids)
         if compiles(t, self.device):
             self.model = compile_model(self.model, t.compile_mode, t.compile_cache)
+        elif t.compile_mode != "default" and self.is_main:  # a CUDA-graph mode was refused by TrainStep
+            self.log(f"note: trainer.compile_mode={t.compile_mode} is unused: trainer.compile={t.compile} compiles "
+                     f"nothing on {self.device.type}")
         self.environment = run_environment(t.precision, self.amp_dtype, self.device)  # results.json, W&B
         if self.is_main:
             self.log(environment_line(self.environment))
