@@ -188,6 +188,8 @@ class Trainer(Checkpoints, FinalEvaluation):
         check_memory_fits(spec, self.micro, self.device)  # again, with the vocabulary's embedding and logits
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
         self.raw_model.loss_chunk = t.loss_chunk  # how the loss is computed, not what (trainer.loss_chunk)
+        # Probes that would measure nothing on this model's positions (a learned table): before training.
+        configure_probes(spec.eval, t.context, max_positions=self.raw_model.position.max_positions)
         self.position_drift = ParameterDrift(self.raw_model.position)  # p_0: the seed's init, also on resume
         self.train_positions = TrainingPositions(self.cfg, spec.method, t.context, self.raw_model.position.max_positions,
                                                  spec.seed, self.dist_info.rank, self.device)  # randomized (or arange)
