@@ -312,10 +312,11 @@ class Trainer(Checkpoints, FinalEvaluation):
                      "going straight to the final evaluation")
             self.wall, self.overhead_total = self.elapsed_before, self.overhead_before
             return
+        epochs = "fresh data every step" if spec.task is not None else f"{self.batches.steps_per_epoch} steps/epoch"
         self.log(
             f"training {spec.run_name}: method={spec.method} model={spec.model.flavour} "
             f"({self.raw_model.num_parameters(non_embedding=True) / 1e6:.2f} M non-embedding params) on {self.device}, "
-            f"{self.total_steps} steps x {self.tokens_per_step} tokens ({self.batches.steps_per_epoch} steps/epoch), "
+            f"{self.total_steps} steps x {self.tokens_per_step} tokens ({epochs}), "
             f"world size {self.dist_info.world_size}"
         )
         self.progress = make_progress(self.total_steps, self.start_step, enabled=self.is_main and t.progress,
