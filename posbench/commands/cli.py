@@ -50,7 +50,7 @@ def _plot(cfg: DictConfig) -> Any:
     runs = cfg.runs if not isinstance(cfg.runs, str) else [cfg.runs]
     if not runs:
         raise PosbenchError("posbench plot needs runs=<run or sweep dir, or glob>[,...]")
-    check_output_dir(cfg.out, "out")
+    check_output_dir(cfg.out, "out", writable=True)
     return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info,
                      variant=cfg.get("variant"))
 
@@ -74,7 +74,7 @@ def _viz(cfg: DictConfig) -> Any:
     from posbench.viz.command import run_viz
 
     if cfg.get("out"):
-        check_output_dir(cfg.out, "out")
+        check_output_dir(cfg.out, "out", writable=True)
     return run_viz(cfg, log=logger.info)
 
 
@@ -82,7 +82,7 @@ def _bench(cfg: DictConfig) -> Any:
     from posbench.bench.command import run_bench
 
     if cfg.get("out"):
-        check_output_dir(cfg.out, "out")
+        check_output_dir(cfg.out, "out", writable=True)
     return run_bench(cfg)
 
 

@@ -78,7 +78,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
             f"choose eval.lengths <= {limit}"
         )
     evaluation.check_lengths(train_context, need_headline=False)
-    configure_probes(evaluation, train_context)
+    configure_probes(evaluation, train_context, max_positions=limit)
     workload = saved_workload(run.config)  # the run's kind: text or task
     if run.results is not None:
         workload.check_reevaluation(run)

@@ -61,11 +61,19 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def check_output_dir(path: Any, key: str) -> Path:
-    """``path`` as an output folder, or one line naming ``key`` when it (or a parent) is a file."""
+def check_output_dir(path: Any, key: str, writable: bool = False) -> Path:
+    """``path`` as an output folder, or one line naming ``key`` when it (or a parent) is a file;
+    with ``writable``, also when it (or, while it does not exist, the nearest folder above it)
+    cannot be written: a read-only disk or mount, or no permission."""
     path = Path(os.path.abspath(Path(str(path)).expanduser()))
     for part in (path, *path.parents):
         if part.exists() and not part.is_dir():
             what = "names an existing file" if part == path else f"lies under {part}, which is a file"
             raise PosbenchError(f"{key}={path} {what}, not a folder; choose another {key}")
+    if writable:
+        existing = next(part for part in (path, *path.parents) if part.exists())
+        if not os.access(existing, os.W_OK | os.X_OK):
+            where = "" if existing == path else f" ({existing} is the folder it would be made in)"
+            raise PosbenchError(f"{key}={path} cannot be written{where}: a read-only disk or no permission; "
+                                f"choose another {key} on a writable disk")
     return path

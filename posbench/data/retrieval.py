@@ -176,8 +176,26 @@ class Inserter:
                          np.random.default_rng(0)) is None:
                 raise PosbenchError(
                     f"data.retrieval kind {kind} does not fit a training window of {self.n} tokens at distances "
-                    f"{cfg.min_distance}..{cfg.max_distance}; raise data.retrieval.max_distance or lower "
-                    "data.retrieval.span")
+                    f"{cfg.min_distance}..{cfg.max_distance}; "
+                    + self.fit_hint(kind, first, first_offset, second, second_offset))
+
+    def fit_hint(self, kind: str, first: int, first_offset: int, second: int, second_offset: int) -> str:
+        """The fix that makes ``kind`` fit (see :func:`placement`: the distance must lie in
+        ``shortest .. longest``, which the window allows, and in min_distance .. max_distance)."""
+        cfg, n = self.cfg, self.n
+        shortest = first - first_offset + second_offset  # the second piece starts after the first ends
+        longest = n - second - first_offset + second_offset  # both pieces inside the window
+        if shortest > longest:  # the two pieces alone overflow the window
+            context = first + second - 1  # a window of context + 1 tokens holds both
+            if kind == "passkey":
+                return (f"its needle and question take {first + second} tokens with this tokenizer; "
+                        f"raise trainer.context to at least {context}")
+            return (f"two spans of {cfg.span} tokens need a window of {2 * cfg.span}; lower data.retrieval.span "
+                    f"to at most {n // 2}, or raise trainer.context to at least {context}")
+        if cfg.min_distance > longest:
+            return (f"the longest distance that fits is {longest}; lower data.retrieval.min_distance to at most "
+                    f"{longest}, or raise trainer.context to at least {self.n - 1 + cfg.min_distance - longest}")
+        return f"the shortest distance that fits is {shortest}; raise data.retrieval.max_distance to at least {shortest}"
 
     def lengths(self, kind: str, key_ids: np.ndarray) -> tuple[int, int, int, int]:
         """(first length, its content offset, second length, its content offset) of ``kind``."""

@@ -170,8 +170,8 @@ class HydraRecord:
 
 class RunDirCallback(Callback):
     """Hydra callback (``configs/train.yaml``) that runs before Hydra makes the job's folders:
-    an output folder naming an existing file is refused with one line (Hydra would end in a
-    traceback), and a single run's folders that do not exist yet are noted for
+    an output folder naming an existing file, or one that cannot be written (a read-only disk),
+    is refused with one line (Hydra would end in a traceback), and a single run's folders that do not exist yet are noted for
     :meth:`HydraRecord.remove_unstarted`. Hydra turns a callback's exceptions into warnings, so
     a refusal exits here."""
 
@@ -200,7 +200,7 @@ class RunDirCallback(Callback):
         if value is None:
             return None
         try:
-            return check_output_dir(value, key)
+            return check_output_dir(value, key, writable=True)
         except PosbenchError as err:
             print(f"posbench {config.hydra.job.name}: error: {err}", file=sys.stderr)
             raise SystemExit(2) from None

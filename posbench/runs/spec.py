@@ -154,6 +154,9 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
         raise PosbenchError(f"seed must be an integer, got {seed!r}")
     # eval.probes: the trainer checks them; a grid task checks its own (square grids, twice the side)
     grid = is_grid_task(cfg.get("task"))
+    # The task first: a context it cannot use (task=fashion's 7 x 7 grid) is the fix that matters,
+    # and the lengths' hint would be given for the wrong context.
+    task, task_options = make_task_of(cfg.get("task"), trainer)
     evaluation.check_lengths(trainer.context, need_headline=not grid, grid=grid)
     longest = max(max(evaluation.lengths), trainer.context)
     if probe.max_positions is not None and longest > probe.max_positions:
@@ -164,7 +167,8 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     data = data_config(cfg.data)
     if not saved:
         data.check_path_is_read()
-    task, task_options = task_config(cfg.get("task"), trainer, evaluation)
+    if task is not None:
+        check_task_run(task, trainer, evaluation)
     model = replace(model, layout=check_layout(probe, task))
     if task is not None:  # an image task's patch embedding and pooled head (docs/images.md)
         model = replace(model, patch_dim=task.patch_dim, head=task.head)
@@ -208,13 +212,17 @@ def check_layout(method: Any, task: Task | None) -> str:
                         "use a grid task (docs/grid.md) or a sequence method")
 
 
-def task_config(section: Any, trainer: TrainerConfig, evaluation: EvalConfig) -> tuple[Task | None, dict[str, Any]]:
-    """The ``task`` section of a ``task=<name>`` run, validated with the settings a task run
-    reads differently from a text run (None, {} without one)."""
+def make_task_of(section: Any, trainer: TrainerConfig) -> tuple[Task | None, dict[str, Any]]:
+    """The task of a ``task=<name>`` run's ``task`` section and its options (None, {} without one),
+    checked against ``trainer.context``."""
     if section is None:
         return None, {}
     options = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section)
-    task = make_task(options, trainer.context)
+    return make_task(options, trainer.context), options
+
+
+def check_task_run(task: Task, trainer: TrainerConfig, evaluation: EvalConfig) -> None:
+    """Refuse the settings a task run reads differently from a text run."""
     task.check_lengths(evaluation.lengths)
     task.check_sizes({"eval.num_sequences": evaluation.num_sequences, "trainer.val_sequences": trainer.val_sequences,
                       "trainer.val_extrapolation_sequences": trainer.val_extrapolation_sequences})
@@ -224,7 +232,6 @@ def task_config(section: Any, trainer: TrainerConfig, evaluation: EvalConfig) ->
     if trainer.max_steps is None and trainer.max_tokens is None:
         raise PosbenchError(f"task={task.name} generates fresh data every step, so trainer.epochs means nothing; "
                             "set trainer.max_steps (e.g. trainer.max_steps=600)")
-    return task, options
 
 
 def check_memory_fits(spec: RunSpec, micro_batch: int, device: torch.device) -> None:

@@ -97,12 +97,16 @@ def as_posbench_error(err: BaseException) -> BaseException:
             f"no space left on the device writing {err.filename or 'the run'}; free some space, or point "
             "hydra.run.dir / POSBENCH_CACHE at a disk with room, then rerun the same command to resume"
         )
-    if isinstance(err, RuntimeError) and "file write failed" in str(err):  # torch.save on a full disk
-        return PosbenchError(
-            f"writing a checkpoint failed ({one_line(err)[:160]}); check the free space of hydra.run.dir, "
-            "then rerun the same command to resume"
+    if isinstance(err, RuntimeError) and any(words in str(err) for words in TORCH_SAVE_SHORT_WRITE):
+        return PosbenchError(  # torch.save on a full disk: its zip writer reports a short write, not ENOSPC
+            f"no space left on the device writing a checkpoint (torch.save: {one_line(err)[:120]}); free some "
+            "space, or point hydra.run.dir at a disk with room, then rerun the same command to resume"
         )
     return err
+
+
+TORCH_SAVE_SHORT_WRITE = ("file write failed", "unexpected pos")
+"""How torch.save's zip writer words a write cut short by a full disk (``inline_container.cc``)."""
 
 
 __all__ = ["as_posbench_error", "autocast", "autocast_dtype", "precision_name", "seed_everything", "resolve_device",

@@ -35,11 +35,13 @@ def compiles(t: TrainerConfig, device: torch.device) -> bool:
 
 
 def check_compile_mode(t: TrainerConfig, device: torch.device) -> None:
-    """A CUDA-graph ``trainer.compile_mode`` for a model compiled off CUDA is one line."""
-    if compiles(t, device) and t.compile_mode in CUDA_GRAPH_MODES and device.type != "cuda":
+    """A CUDA-graph ``trainer.compile_mode`` off CUDA is one line, whether ``trainer.compile`` is
+    true or left at auto (which compiles nothing there, so the mode would be recorded but unused)."""
+    if t.compile_mode in CUDA_GRAPH_MODES and device.type != "cuda" and str(t.compile).lower() != "false":
+        unused = "" if compiles(t, device) else f" (trainer.compile={t.compile} compiles only on CUDA)"
         raise PosbenchError(
-            f"trainer.compile_mode={t.compile_mode} captures CUDA graphs and needs a CUDA device, not {device.type}; "
-            "use trainer.compile_mode=default (or max-autotune-no-cudagraphs)"
+            f"trainer.compile_mode={t.compile_mode} captures CUDA graphs and needs a CUDA device, not {device.type}"
+            f"{unused}; use trainer.compile_mode=default (or max-autotune-no-cudagraphs with trainer.compile=true)"
         )
 
 

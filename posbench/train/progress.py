@@ -27,16 +27,17 @@ class make_progress:
         self.total, self.initial, self.every, self.log = total, initial, every_seconds, log
         self.started = self.last_line = time.monotonic()
         self.loss, self.tokens_per_second = float("nan"), float("nan")
+        self.loss_step: int | None = None  # the step the last logged loss comes from (None: none yet)
 
     def update_to(self, step: int, loss: float, tokens_per_second: float) -> None:
-        self.loss, self.tokens_per_second = loss, tokens_per_second
+        self.loss, self.tokens_per_second, self.loss_step = loss, tokens_per_second, step
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:,.0f}")
 
     def tick(self, step: int) -> None:
         """Called after every step: off a terminal, a line once ``every_seconds`` have passed
-        since the last one (and at the last step), with the last logged loss and tokens/s."""
+        since the last one (and at the last step), with the last logged loss (and its step) and tokens/s."""
         if not self.timed:
             return
         now = time.monotonic()
@@ -44,7 +45,7 @@ class make_progress:
             return
         self.last_line = now
         self.log(progress_line(step, self.total, self.loss, self.tokens_per_second,
-                               (step - self.initial) / max(now - self.started, 1e-9)))
+                               (step - self.initial) / max(now - self.started, 1e-9), self.loss_step))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -52,8 +53,15 @@ class make_progress:
             self.bar = None
 
 
-def progress_line(step: int, total: int, loss: float, tokens_per_second: float, steps_per_second: float) -> str:
-    """``step 120/1000 (12%) loss 4.1234 52,000 tok/s 3.10 steps/s ETA 04:44``."""
+def progress_line(step: int, total: int, loss: float, tokens_per_second: float, steps_per_second: float,
+                  loss_step: int | None = None) -> str:
+    """``step 125/1000 (12%) loss 4.1234 at step 120 52,000 tok/s 3.10 steps/s ETA 04:44``: the loss and
+    tokens/s of the last logged step (``loss_step``; every ``trainer.log_every``), ``-`` before the
+    first one (after a start or a resume)."""
     eta = tqdm.format_interval((total - step) / steps_per_second) if steps_per_second > 0 else "?"
-    return (f"step {step}/{total} ({100 * step / max(total, 1):.0f}%) loss {loss:.4f} "
-            f"{tokens_per_second:,.0f} tok/s {steps_per_second:.2f} steps/s ETA {eta}")
+    if loss_step is None:
+        measured = "loss - - tok/s"
+    else:
+        measured = f"loss {loss:.4f} at step {loss_step} {tokens_per_second:,.0f} tok/s"
+    return (f"step {step}/{total} ({100 * step / max(total, 1):.0f}%) {measured} "
+            f"{steps_per_second:.2f} steps/s ETA {eta}")

@@ -63,6 +63,8 @@ class TrainerConfig:
     compile_mode: str = "default"
     """How a compiled model is compiled: default (``torch.compile(model)``) | reduce-overhead
     (CUDA graphs, CUDA only) | max-autotune-no-cudagraphs | max-autotune (CUDA graphs, CUDA only).
+    A CUDA-graph mode off CUDA is refused unless trainer.compile=false; a mode left unused (no
+    compile) is logged.
     Which are bitwise equal to default: docs/benchmarks.md#faster-paths-and-scriptsspeedpy."""
     compile_cache: str | None = None
     """A folder for torch.compile's caches (Inductor's compiled graphs and kernels, Triton's
@@ -104,9 +106,10 @@ class TrainerConfig:
     progress: bool = True
     """Show a progress bar (on a terminal) with loss, tokens/s and ETA."""
     progress_every_seconds: float = 30
-    """Off a terminal (a log file, a batch job): a line ``step N/M (P%) loss L T tok/s S steps/s
-    ETA hh:mm:ss`` every this many seconds and at the last step (0 = a line every 5 % of the
-    steps instead)."""
+    """Off a terminal (a log file, a batch job): a line ``step N/M (P%) loss L at step K T tok/s
+    S steps/s ETA hh:mm:ss`` every this many seconds and at the last step, with the loss and
+    tokens/s of the last logged step K (``-`` before the first one); 0 = a line every 5 % of the
+    steps instead."""
 
     def validate(self) -> None:
         s = "trainer"

@@ -190,6 +190,8 @@ class Trainer(Checkpoints, FinalEvaluation):
         check_memory_fits(spec, self.micro, self.device)  # again, with the vocabulary's embedding and logits
         self.raw_model = build_model(spec.model, spec.method, spec.method_options).to(self.device)
         self.raw_model.loss_chunk = t.loss_chunk  # how the loss is computed, not what (trainer.loss_chunk)
+        # Probes that would measure nothing on this model's positions (a learned table): before training.
+        configure_probes(spec.eval, t.context, max_positions=self.raw_model.position.max_positions)
         self.position_drift = ParameterDrift(self.raw_model.position)  # p_0: the seed's init, also on resume
         self.train_positions = TrainingPositions(self.cfg, spec.method, t.context, self.raw_model.position.max_positions,
                                                  spec.seed, self.dist_info.rank, self.device)  # randomized (or arange)
@@ -279,6 +281,9 @@ class Trainer(Checkpoints, FinalEvaluation):
             self.model = DistributedDataParallel(self.raw_model, device_ids=device_ids)
         if compiles(t, self.device):
             self.model = compile_model(self.model, t.compile_mode, t.compile_cache)
+        elif t.compile_mode != "default" and self.is_main:  # a CUDA-graph mode was refused by TrainStep
+            self.log(f"note: trainer.compile_mode={t.compile_mode} is unused: trainer.compile={t.compile} compiles "
+                     f"nothing on {self.device.type}")
         self.environment = run_environment(t.precision, self.amp_dtype, self.device)  # results.json, W&B
         if self.is_main:
             self.log(environment_line(self.environment))
@@ -309,10 +314,11 @@ class Trainer(Checkpoints, FinalEvaluation):
                      "going straight to the final evaluation")
             self.wall, self.overhead_total = self.elapsed_before, self.overhead_before
             return
+        epochs = "fresh data every step" if spec.task is not None else f"{self.batches.steps_per_epoch} steps/epoch"
         self.log(
             f"training {spec.run_name}: method={spec.method} model={spec.model.flavour} "
             f"({self.raw_model.num_parameters(non_embedding=True) / 1e6:.2f} M non-embedding params) on {self.device}, "
-            f"{self.total_steps} steps x {self.tokens_per_step} tokens ({self.batches.steps_per_epoch} steps/epoch), "
+            f"{self.total_steps} steps x {self.tokens_per_step} tokens ({epochs}), "
             f"world size {self.dist_info.world_size}"
         )
         self.progress = make_progress(self.total_steps, self.start_step, enabled=self.is_main and t.progress,

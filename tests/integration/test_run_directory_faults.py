@@ -43,6 +43,58 @@ def test_an_output_folder_naming_an_existing_file_is_one_line(tmp_path, command,
     assert file.read_text() == "keep me\n"
 
 
+# --------------------------------------------------------------- a read-only output folder
+
+READ_ONLY = """
+import errno, os, sys
+read_only = os.environ["READ_ONLY_ROOT"]
+real_access, real_mkdir = os.access, os.mkdir
+def access(path, mode, *args, **kwargs):  # what a read-only mount answers, even to root
+    if str(path).startswith(read_only) and mode & os.W_OK:
+        return False
+    return real_access(path, mode, *args, **kwargs)
+def mkdir(path, *args, **kwargs):
+    if str(path).startswith(read_only):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+    return real_mkdir(path, *args, **kwargs)
+os.access, os.mkdir = access, mkdir
+from posbench.commands.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_a_read_only_output_folder_is_one_line(tmp_path, key):
+    """A read-only disk under hydra.run.dir ended in Hydra's OSError traceback, exit 1 (the tests
+    run as root, for whom permissions do not stop a write, so the read-only mount is emulated)."""
+    import sys
+
+    from helpers import ENV
+
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    args = [*QUICK_TRAIN, f"{key}={read_only}/run"]
+    proc = subprocess.run([sys.executable, "-c", READ_ONLY, "train", *(["-m"] if "sweep" in key else []), *args],
+                          env={**ENV, "READ_ONLY_ROOT": str(read_only)}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    line = one_error_line(proc, "train")
+    assert f"{key}={read_only}/run cannot be written ({read_only} is the folder it would be made in)" in line
+    assert f"choose another {key}" in line
+    assert list(read_only.iterdir()) == []
+
+
+def test_check_output_dir_refuses_a_folder_it_cannot_write(tmp_path, monkeypatch):
+    import posbench.core.io
+    from posbench.core.errors import PosbenchError
+    from posbench.core.io import check_output_dir
+
+    monkeypatch.setattr(posbench.core.io.os, "access", lambda path, mode: False)
+    assert check_output_dir(tmp_path / "new", "out") == tmp_path / "new"  # a data cache may be read-only
+    with pytest.raises(PosbenchError, match=r"out=.*/new cannot be written \(.* is the folder it would be made in\)"):
+        check_output_dir(tmp_path / "new", "out", writable=True)
+
+
 # -------------------------------------------------- a start refused by the lock, a config typo
 
 
@@ -129,12 +181,23 @@ def test_a_cache_path_naming_a_file_is_one_line(tmp_path):
 # ------------------------------------------------------------------------ a full disk
 
 
-@pytest.mark.parametrize("stays_full", [False, True])
+FULL_DISK_ERRORS = {
+    "oserror": lambda path: OSError(errno.ENOSPC, "No space left on device", str(path)),
+    # torch.save's zip writer on a full disk: a short write, in one of two wordings
+    "unexpected pos": lambda path: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 19328 vs 19222"),
+    "file write failed": lambda path: RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter "
+                                                   "failed writing file data/3: file write failed"),
+}
+
+
+@pytest.mark.parametrize("stays_full, error", [(False, "oserror"), (True, "oserror"), (False, "unexpected pos"),
+                                               (False, "file write failed")])
 def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_checkpoint(
-        tmp_path, monkeypatch, stays_full):
+        tmp_path, monkeypatch, stays_full, error):
     """The disk fills up while the second checkpoint is written (half of it is on disk). With
     ``stays_full`` no new file can be made afterwards either, so the failure must still reach
-    status.json, which already exists."""
+    status.json, which already exists. torch.save may report the full disk as a RuntimeError
+    (``unexpected pos``), which gave a traceback."""
     import tempfile
 
     from helpers import compose_config
@@ -158,7 +221,7 @@ def test_a_full_disk_during_training_fails_the_run_in_one_line_and_keeps_its_che
         Path(path).write_bytes(b"PK\x03\x04 half a checkpoint")
         if stays_full:
             monkeypatch.setattr(posbench.core.io.tempfile, "mkstemp", full_disk)
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        raise FULL_DISK_ERRORS[error](path)
 
     monkeypatch.setattr(posbench.runs.checkpoint.torch, "save", save)
     cfg = compose_config("train", [*QUICK_TRAIN, "method=rope", "trainer.checkpoint_every_steps=2"])

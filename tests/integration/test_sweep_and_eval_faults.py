@@ -214,12 +214,15 @@ def test_off_a_terminal_a_progress_line_comes_every_interval_with_rate_and_eta(m
     progress = progress_module.make_progress(total=1000, initial=0, enabled=True, every_seconds=30, log=lines.append)
     for step in range(1, 1001):
         clock[0] += 1.0  # one step a second
-        if step % 10 == 0:
+        if step % 40 == 0:
             progress.update_to(step, 2.5, 1234.0)
         progress.tick(step)
     assert len(lines) == 1000 // 30 + 1  # every 30 s, and the last step
-    assert lines[0] == "step 30/1000 (3%) loss 2.5000 1,234 tok/s 1.00 steps/s ETA 16:10"
-    assert lines[-1].startswith("step 1000/1000 (100%)") and lines[-1].endswith("ETA 00:00")
+    # Before the first logged loss: a dash, not "loss nan nan tok/s"; after it: the step it comes from.
+    assert lines[0] == "step 30/1000 (3%) loss - - tok/s 1.00 steps/s ETA 16:10"
+    assert lines[1] == "step 60/1000 (6%) loss 2.5000 at step 40 1,234 tok/s 1.00 steps/s ETA 15:40"
+    assert lines[-1].startswith("step 1000/1000 (100%) loss 2.5000 at step 1000") and lines[-1].endswith("ETA 00:00")
+    assert not any("nan" in line for line in lines)
 
 
 @pytest.mark.slow

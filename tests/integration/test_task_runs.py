@@ -22,7 +22,10 @@ def test_cli_trains_a_task_and_plots_two_runs(tmp_path):
     runs = [tmp_path / f"s{seed}" for seed in (0, 1)]
     learnt = "task.learnt_at_c=0"  # 4 steps learn nothing: let the gate pass both seeds into the tables
     posbench_cli("train", "task=copy", "method=alibi", "seed=0", *QUICK_TASK, learnt, f"hydra.run.dir={runs[0]}")
-    train(compose_config("train", ["task=copy", "method=alibi", "seed=1", *QUICK_TASK, learnt]), runs[1], log=lambda _: None)
+    lines: list[str] = []
+    train(compose_config("train", ["task=copy", "method=alibi", "seed=1", *QUICK_TASK, learnt]), runs[1], log=lines.append)
+    (start,) = [line for line in lines if line.startswith("training copy-alibi-s1:")]
+    assert "4 steps x 256 tokens (fresh data every step)" in start and "steps/epoch" not in start  # was "(1 steps/epoch)"
     results = json.loads((runs[0] / "results.json").read_text())
     assert results["eval"] == [] and results["task"]["name"] == "copy" and results["method"] == "alibi"
     entries = [e for e in results["task"]["entries"] if e["test_set"] == "standard"]

@@ -64,6 +64,10 @@ class Probe:
     def check(self, settings: Any, train_context: int) -> None:
         """Refuse settings that cannot run at ``train_context``, before any work (default: none)."""
 
+    def check_positions(self, settings: Any, max_positions: int) -> None:
+        """Refuse settings that leave nothing to measure on a model whose positions stop at
+        ``max_positions`` (a ``learned`` table), before any training or evaluation (default: none)."""
+
     def run(self, model: nn.Module, data: Any, settings: Any, run: ProbeRun) -> list[dict[str, Any]]:
         """The probe's results.json entries (one per extension of ``run.extensions``) on
         ``model``; ``data`` is the run's :class:`posbench.data.PreparedData` (held-out splits,
@@ -124,16 +128,19 @@ def probe_settings(evaluation: Any, name: str) -> Any:
     return section
 
 
-def configure_probes(evaluation: Any, train_context: int) -> None:
+def configure_probes(evaluation: Any, train_context: int, max_positions: int | None = None) -> None:
     """Check ``evaluation.probes`` (an :class:`posbench.evaluation.settings.EvalConfig`) and refuse the
-    asked-for probes' settings that cannot run at ``train_context``: before any work. Nothing is
-    changed: the settings were validated when the eval section was built."""
+    asked-for probes' settings that cannot run at ``train_context`` (or, given the model's
+    ``max_positions``, on its positions): before any work. Nothing is changed: the settings were
+    validated when the eval section was built."""
     if not isinstance(evaluation.probes, list) or not all(isinstance(n, str) for n in evaluation.probes):
         raise PosbenchError(f"eval.probes must be a list of probe names, got {evaluation.probes!r}")
     for name in evaluation.probes:
         get_probe(name)  # an unknown name is refused first, with the valid ones
     for name in evaluation.probes:
         PROBES[name].check(probe_settings(evaluation, name), train_context)
+        if max_positions is not None:
+            PROBES[name].check_positions(probe_settings(evaluation, name), max_positions)
 
 
 def asked(evaluation: Any) -> list[Probe]:

@@ -164,6 +164,8 @@ def passkey_eval(model: nn.Module, tokens: np.ndarray, encode: Callable[[list[st
     keys = [text.draw_key(rng) for _ in range(num_windows)]
     haystacks = draw_haystacks(tokens, num_windows, max(lengths), seed)  # sized by the whole grid: same windows
     limit = getattr(getattr(model, "position", None), "max_positions", None)
+    if limit is not None:
+        check_lengths_fit(lengths, limit)
     if limit is not None and max(lengths) - 1 > limit:
         log(f"passkey: leaving out lengths past the model's {limit} learned positions "
             f"({', '.join(str(n) for n in lengths if n - 1 > limit)})")
@@ -204,6 +206,17 @@ def passkey_eval(model: nn.Module, tokens: np.ndarray, encode: Callable[[list[st
     return entries
 
 
+def check_lengths_fit(lengths: Sequence[int], limit: int) -> None:
+    """Refuse passkey lengths that all lie past a model's ``limit`` learned positions (a window of
+    n tokens reads positions 0..n-2): nothing would be left to measure."""
+    if lengths and min(lengths) - 1 > limit:
+        raise PosbenchError(
+            f"every eval.passkey.lengths {sorted(lengths)} lies past the model's {limit} learned positions, so the "
+            f"passkey evaluation would measure nothing; add a length up to {limit + 1}, e.g. "
+            f"eval.passkey.lengths=[{limit + 1}], or raise method.max_positions before training"
+        )
+
+
 def format_accuracy(entry: dict[str, Any]) -> str:
     """One line: accuracy and gain by length (mean over depths), with chance and the control."""
     parts = []
@@ -237,6 +250,9 @@ class PasskeyProbe(Probe):
     results_key = "passkey"
     report = "posbench.report.passkey"
 
+    def check_positions(self, settings: PasskeySettings, max_positions: int) -> None:
+        check_lengths_fit(settings.lengths, max_positions)
+
     def run(self, model: nn.Module, data: Any, settings: PasskeySettings, run: ProbeRun) -> list[dict[str, Any]]:
         """On the held-out split ``settings.split`` of ``data`` (a :class:`posbench.data.PreparedData`)."""
         return passkey_eval(model, data.tokens(settings.split), data.encode, settings, run)
@@ -246,5 +262,5 @@ class PasskeyProbe(Probe):
 
 
 __all__ = ["CHANCE", "CHANCE_LOGPROB", "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "PasskeyProbe", "PasskeySettings",
-           "PasskeyWindows", "answer_scores", "build_windows", "draw_haystacks", "format_accuracy", "passkey_eval",
+           "PasskeyWindows", "answer_scores", "build_windows", "check_lengths_fit", "draw_haystacks", "format_accuracy", "passkey_eval",
            "passkey_summary"]

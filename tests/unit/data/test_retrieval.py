@@ -175,6 +175,34 @@ def test_a_kind_that_cannot_fit_the_window_is_refused_before_training(prepared) 
         inserter(prepared, kinds=["passkey"], max_distance=5)
 
 
+@pytest.mark.parametrize("context, settings", [
+    (64, {"kinds": ["passkey"], "min_distance": 100}),  # was told to raise max_distance: refused again at 1000
+    (64, {"kinds": ["passkey"], "min_distance": 100, "max_distance": 1000}),
+    (16, {"kinds": ["passkey"]}),  # the needle and question alone overflow the window: a longer context
+    (64, {"kinds": ["repeat_random"], "span": 40}),
+    (256, {"kinds": ["passkey"], "max_distance": 5}),
+    (64, {"kinds": ["repeat_text"], "span": 8, "min_distance": 60}),
+])
+def test_the_fix_a_refusal_names_makes_the_kind_fit(prepared, context, settings) -> None:
+    """Each refusal names one setting and a value; set to that value, the kind fits."""
+    import re
+
+    def make(context, **values):
+        return make_inserter(RetrievalConfig(**{"rate": 1.0, **values}).validate(), context, prepared, 0)
+
+    with pytest.raises(PosbenchError, match="does not fit a training window") as refused:
+        make(context, **settings)
+    message = str(refused.value)
+    fix = re.search(r"; (?:lower|raise) (data\.retrieval\.\w+|trainer\.context) to (?:at most|at least) (\d+)",
+                    message)
+    assert fix is not None and "\n" not in message, message
+    key, value = fix.group(1), int(fix.group(2))
+    if key == "trainer.context":
+        make(value, **settings)
+    else:
+        make(context, **{**settings, key.split(".")[-1]: value})
+
+
 def test_the_key_and_its_pieces_concatenate_to_the_sentence(prepared) -> None:
     text = PasskeyText(prepared.encode)
     for key in ("00000", "58213", "99999", "10101"):

@@ -220,3 +220,39 @@ def test_training_with_retrieval_inserts_and_records_it(tmp_path) -> None:
     with pytest.raises(PosbenchError, match="does not fit a training window of 33 tokens"):
         train(compose_config("train", [*QUICK_TRAIN, "data.retrieval.rate=1.0", "data.retrieval.kinds=[passkey]"]),
               tmp_path / "refused", log=lambda _: None)
+
+
+class LearnedTable(DigitPrior):
+    """A model whose positions stop at ``max_positions`` (a ``learned`` table)."""
+
+    def __init__(self, text: PasskeyText, vocab: int, max_positions: int):
+        super().__init__(text, vocab)
+        self.position = nn.Module()
+        self.position.max_positions = max_positions
+
+
+def test_a_learned_model_with_every_length_left_out_is_one_line(prepared) -> None:
+    """Every passkey length past the model's learned positions: it logged them left out, then
+    crashed with ``ValueError: max() arg is an empty sequence``."""
+    model = LearnedTable(PasskeyText(prepared.encode), prepared.vocab_size, max_positions=128)
+    with pytest.raises(PosbenchError, match=r"every eval.passkey.lengths \[256\] lies past the model's 128 learned "
+                                            r"positions.*e.g. eval.passkey.lengths=\[129\]") as refused:
+        run(model, prepared, lengths=[256])
+    assert "\n" not in str(refused.value)
+    entry = run(model, prepared, lengths=[129, 256])  # one left: measured, the other left out
+    assert entry["lengths"] == [129]
+
+
+@pytest.mark.slow
+def test_training_refuses_a_passkey_that_a_learned_model_cannot_reach_before_any_step(tmp_path) -> None:
+    """``posbench train`` crashed the same way after every training step had run."""
+    from helpers import QUICK_TRAIN, compose_config
+
+    from posbench.train.trainer import train
+
+    run_dir = tmp_path / "run"
+    cfg = compose_config("train", [*QUICK_TRAIN, "method=learned", "method.max_positions=64", "eval.probes=[passkey]",
+                                   "eval.passkey.lengths=[128]", "eval.passkey.num_windows=2"])
+    with pytest.raises(PosbenchError, match=r"every eval.passkey.lengths \[128\] lies past the model's 64 learned"):
+        train(cfg, run_dir, log=lambda _: None)
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()

@@ -229,7 +229,13 @@ def test_a_cuda_graph_compile_mode_off_cuda_is_one_line():
     t = trainer_config(compile="true", compile_mode="reduce-overhead")
     with pytest.raises(PosbenchError, match="compile_mode=reduce-overhead captures CUDA graphs"):
         TrainStep(model, t, torch.device("cpu"), 10)
-    TrainStep(model, trainer_config(compile="auto", compile_mode="reduce-overhead"), torch.device("cpu"), 10)  # not compiled
+    # Left at auto, nothing is compiled on a CPU: the mode was accepted silently and recorded as if used.
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(PosbenchError, match=f"compile_mode={mode} captures CUDA graphs and needs a CUDA device, "
+                                                r"not cpu \(trainer.compile=auto compiles only on CUDA\)"):
+            TrainStep(model, trainer_config(compile="auto", compile_mode=mode), torch.device("cpu"), 10)
+    TrainStep(model, trainer_config(compile="false", compile_mode="reduce-overhead"), torch.device("cpu"), 10)  # said off
+    TrainStep(model, trainer_config(compile="auto", compile_mode="max-autotune-no-cudagraphs"), torch.device("cpu"), 10)
     with pytest.raises(PosbenchError, match="trainer.compile_mode must be one of"):
         trainer_config(compile_mode="fast")
 

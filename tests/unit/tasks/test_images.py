@@ -206,6 +206,18 @@ def test_bad_run_settings_are_refused_before_any_work(overrides, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("overrides", [["trainer.context=64"], ["trainer.context=64", "eval.lengths=[64,256]"]])
+def test_a_context_the_images_cannot_make_is_refused_first_with_the_context_that_works(overrides):
+    """At trainer.context=64 the lengths were refused first, with a hint (eval.lengths=[64,256])
+    that was then refused with "set trainer.context=49"."""
+    from posbench.runs.spec import build_spec
+
+    with pytest.raises(PosbenchError, match=r"patches of 4 make a 7 x 7 grid; set trainer.context=49$"):
+        build_spec(compose_config("train", ["task=fashion", "method=axial_rope", *overrides]))
+    spec = build_spec(compose_config("train", ["task=fashion", "method=axial_rope", "trainer.context=49"]))
+    assert spec.trainer.context == 49
+
+
 def test_the_run_spec_builds_the_patch_model_from_the_task():
     from posbench.runs.spec import build_spec
 
