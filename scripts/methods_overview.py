@@ -61,15 +61,38 @@ def table(layout: str) -> str:
     return "\n".join(lines + [row(name) for name in methods(layout)])
 
 
+def recipes() -> list[str]:
+    """The methods that are a released model's recipe (:class:`posbench.methods.recipes.Recipe`)."""
+    from posbench.methods.recipes import Recipe
+
+    return [name for name in list_methods() if issubclass(method_class(name), Recipe)]
+
+
+def recipe_row(name: str) -> str:
+    """``| recipe | release | layers: what each gets | departures |``, from the recipe's class and
+    the pattern it builds (its defaults)."""
+    cls = method_class(name)
+    recipe = build_method(name, ModelDims(d_model=MODEL.d_model, n_heads=MODEL.n_heads, n_layers=MODEL.n_layers))
+    cells = [f"`{name}`", f"{cls.source}; checked against `{cls.release}`", "; ".join(recipe.layer_summary()), cls.departures]
+    return "| " + " | ".join(meaning_text(c) for c in cells) + " |"
+
+
+def recipe_table() -> str:
+    lines = ["| recipe | release; reference | layers (l mod period): type (mask; what it gets) | departures from the "
+             "release (besides those every recipe shares) |", "|---|---|---|---|"]
+    return "\n".join(lines + [recipe_row(name) for name in recipes()])
+
+
 def marks(layout: str) -> tuple[str, str]:
     return f"<!-- methods-overview: {layout} -->", f"<!-- methods-overview: {layout} end -->"
 
 
 def render(page: str) -> str:
-    """``page`` with each layout's region replaced by the table the method classes give."""
+    """``page`` with each layout's region replaced by the table the method classes give, and the
+    recipes' region by the recipe table."""
     for layout in LAYOUTS:
         page = replace_region(page, *marks(layout), table(layout), PAGE.name)
-    return page
+    return replace_region(page, *marks("recipes"), recipe_table(), PAGE.name)
 
 
 def main(argv: list[str]) -> int:

@@ -120,7 +120,7 @@ class Layers(PositionMethod):
         for group, (method, _) in enumerate(keys):
             entry = next(entries[l % len(entries)] for l in range(dims.n_layers) if self.layer_group[l] == group)
             count = self.layer_group.count(group)
-            sub = build_method(method, ModelDims(dims.d_model, dims.n_heads, count), **entry.options)
+            sub = self.build_sub(entry, ModelDims(dims.d_model, dims.n_heads, count))
             if type(sub).input_embedding is not PositionMethod.input_embedding:
                 raise ValueError(f"{method} adds to the input embedding, which is not per layer; "
                                  "it cannot be one layer's method in a pattern")
@@ -131,6 +131,11 @@ class Layers(PositionMethod):
         self.group_names = names
         self.has_score_term = any(s.has_score_term for s in subs)  # type: ignore[misc]  # per instance
         self.uses_positions = any(s.uses_positions for s in subs)  # type: ignore[misc]
+
+    def build_sub(self, entry: LayerEntry, dims: ModelDims) -> PositionMethod:
+        """The sub-method of ``entry``'s layers (``dims.n_layers`` of them): the registered method
+        it names, with its options (a recipe builds its own layer types instead)."""
+        return build_method(entry.method, dims, **entry.options)
 
     def sub(self, layer: int) -> tuple[PositionMethod, int]:
         """The sub-method of ``layer`` and the layer's index among that sub-method's layers."""

@@ -49,3 +49,14 @@ def test_a_method_without_its_description_is_refused():
             ref.row("undescribed_for_test")
     finally:
         unregister("undescribed_for_test")
+
+
+def test_every_recipe_has_a_row_naming_its_reference_layers_and_departures():
+    page = ref.PAGE.read_text()
+    begin, end = ref.marks("recipes")
+    rows = page.split(begin)[1].split(end)[0].strip().splitlines()[2:]
+    assert [row.split("`")[1] for row in rows] == ref.recipes()
+    assert "gemma3" in ref.recipes() and "rope" not in ref.recipes()
+    gemma3 = rows[ref.recipes().index("gemma3")]
+    assert "`Gemma3Attention`" in gemma3 and "0-4 mod 6: local (window 32; RoPE 10000" in gemma3
+    assert "5 mod 6: global (full; RoPE 1000000" in gemma3 and "1024 -> 32" in gemma3

@@ -12,7 +12,7 @@ from posbench.runs.spec import build_spec
 from posbench.tasks.base import task_class
 
 PRIMARY = ["train", "prepare", "eval", "plot", "bench", "viz"]
-TRAIN_GROUPS = ["method", "model", "data", "trainer", "eval", "logger", "experiment", "task"]
+TRAIN_GROUPS = ["method", "recipe", "model", "data", "trainer", "eval", "logger", "experiment", "task"]
 
 
 def test_every_yaml_file_is_covered_by_these_tests():

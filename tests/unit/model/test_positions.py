@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import slow_beyond
 from omegaconf import OmegaConf
 
 import posbench
@@ -57,3 +58,43 @@ def test_per_sequence_positions_equal_per_row_forward(name):
     assert not torch.allclose(both, plain, atol=1e-4)  # the positions do matter
 
 
+
+
+def allowed_backends(name: str) -> list[str]:
+    """The attention backends ``name`` can run in on this machine (flex where torch has it)."""
+    from posbench.model.attention import FLEX_AVAILABLE
+
+    limits = build_method(name, ModelDims(64, 4, 4)).backend_limits()
+    return [b for b in ("eager", "sdpa", "flex") if b not in limits and (b != "flex" or FLEX_AVAILABLE)]
+
+
+SEQUENCE_METHODS = posbench.list_methods("sequence")  # every method and recipe of the language model
+
+
+# FlexAttention on the CPU runs unfused and slowly: the fast lane keeps two flex cases, the full suite all.
+@pytest.mark.parametrize("name, backend", slow_beyond(
+    [(n, b) for n in SEQUENCE_METHODS for b in allowed_backends(n)],
+    fast={(n, b) for n in SEQUENCE_METHODS for b in allowed_backends(n) if b != "flex"} | {("alibi", "flex"), ("llama4", "flex")}))
+def test_explicit_positions_are_the_default_and_a_gap_moves_exactly_the_position_methods(name, backend):
+    """Custom position ids on every backend a method allows (fused paths that drop custom ids are a
+    known silent bug elsewhere): ids 0..T-1 given explicitly, shared (T,) or per row (B, T), give
+    the outputs of no ids; ids with a gap in the middle (a non-uniform shift, which moves relative
+    methods too) change the outputs of every method that reads ids and leave the others' (nope,
+    cope, fox, stickbreaking) bit for bit."""
+    torch.manual_seed(0)
+    model = posbench.create_model(name, flavour="tiny", vocab_size=64, n_layers=4, attention=backend).eval()
+    B, T = 2, 12
+    idx = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(0))
+    ids = torch.arange(T)
+    gap = ids + (ids >= T // 2) * 5  # 0..5, then 11..16
+    with torch.no_grad():
+        plain = model(idx)
+        assert torch.equal(model(idx, ids), plain)
+        torch.testing.assert_close(model(idx, ids.expand(B, T)), plain, atol=1e-6, rtol=1e-6)
+        shifted, shifted_rows = model(idx, gap), model(idx, gap.expand(B, T))
+    torch.testing.assert_close(shifted_rows, shifted, atol=1e-6, rtol=1e-6)
+    if model.position.uses_positions:
+        assert (shifted - plain).abs().max() > 1e-5
+        assert (shifted[:, : T // 2] - plain[:, : T // 2]).abs().max() < 1e-6  # causal: the ids before the gap are the same
+    else:
+        assert torch.equal(shifted, plain) and torch.equal(shifted_rows, plain)

@@ -104,7 +104,10 @@ def test_recorded_attention_is_the_model_itself(method):
     assert torch.allclose(got, expected, atol=1e-5)
     assert len(record.layers) == 2 and record.layers[0].maps is None
     maps = torch.from_numpy(record.layers[1].maps)  # (H, T, T)
-    assert torch.allclose(maps.sum(-1), torch.ones(4, 24), atol=1e-5)
+    if model.position.normalizer(1) is None:
+        assert torch.allclose(maps.sum(-1), torch.ones(4, 24), atol=1e-5)
+    else:  # a normaliser may leave mass to no key (gpt_oss's sink column)
+        assert bool((maps.sum(-1) <= 1 + 1e-5).all()) and bool((maps.sum(-1) > 0).all())
     assert torch.all(maps.triu(1) == 0)  # causal
     merged = record_attention(model, tokens, [-1])
     assert merged.layers[0].entropy.shape == (4, 24) and merged.layers[1].maps is not None
