@@ -87,7 +87,7 @@ class ModelConfig:
     head: str = "tokens"
     """``tokens``: logits at every token (the LM head). ``pooled``: one answer per sequence, the
     head applied to the mean of the final hidden states (B, 1, vocab). Set by the run spec from the task."""
-    mixer: str | list[str] = "attention"
+    mixer: list[str] | str = "attention"
     """The token mixer of every layer: ``attention``, or a recurrent mixer (``mamba2``,
     ``gated_deltanet``; docs/mixers.md); or a list, repeated over the layers (a hybrid:
     ``[gated_deltanet, gated_deltanet, gated_deltanet, attention]``)."""
@@ -97,7 +97,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.mixer, str):  # a pattern: a tuple, so the frozen config holds no list
-            object.__setattr__(self, "mixer", tuple(self.mixer))
+            pattern = tuple(self.mixer)
+            object.__setattr__(self, "mixer", pattern[0] if len(pattern) == 1 else pattern)
         self.validate()
         recurrent = sorted(set(self.layer_mixers) - {ATTENTION})
         given = dict(self.mixer_options or {})
