@@ -19,6 +19,11 @@ want per-layer parameters index them by layer). ``attention_window`` masks keys 
 positions back, for any method; a method may narrow it per layer (``method.attention_window``).
 No biases anywhere, as in Llama. With ``method=rope`` the model is numerically the same function
 as ``transformers.LlamaForCausalLM`` of the same shape (tested).
+
+``model.mixer`` replaces attention in every layer, or in a repeating pattern of layers, with a
+recurrent mixer (``posbench/model/mixers/``, docs/mixers.md): ``x + Mixer(RMSNorm(x))``, which
+takes no position method. A forward given ``state`` (a dict, layer -> that layer's state) starts
+each recurrent layer from it and leaves the final states in it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import Tensor, nn
 from posbench.core.errors import PosbenchError
 from posbench.methods import LAYOUTS, ModelDims, PositionMethod, build_method, grid_positions, grid_side
 from posbench.model.attention import BACKENDS, attend, causal_block_mask, prebuilt_block_mask, resolve_backend
+from posbench.model.mixers import ATTENTION, MIXERS, build_mixer, list_mixers, mixer_options
 
 HEADS = ("tokens", "pooled")
 """``model.head``: logits at every token, or one answer per sequence from the mean of the tokens."""
@@ -81,9 +87,38 @@ class ModelConfig:
     head: str = "tokens"
     """``tokens``: logits at every token (the LM head). ``pooled``: one answer per sequence, the
     head applied to the mean of the final hidden states (B, 1, vocab). Set by the run spec from the task."""
+    mixer: list[str] | str = "attention"
+    """The token mixer of every layer: ``attention``, or a recurrent mixer (``mamba2``,
+    ``gated_deltanet``; docs/mixers.md); or a list, repeated over the layers (a hybrid:
+    ``[gated_deltanet, gated_deltanet, gated_deltanet, attention]``)."""
+    mixer_options: dict[str, dict[str, Any]] | None = None
+    """Options of the recurrent mixers, by mixer name (``{mamba2: {d_state: 32}}``); every option not
+    given takes the mixer's default, and the config keeps them all. None: no recurrent layer."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mixer, str):  # a pattern: a tuple, so the frozen config holds no list
+            pattern = tuple(self.mixer)
+            object.__setattr__(self, "mixer", pattern[0] if len(pattern) == 1 else pattern)
         self.validate()
+        recurrent = sorted(set(self.layer_mixers) - {ATTENTION})
+        given = dict(self.mixer_options or {})
+        object.__setattr__(self, "mixer_options", {
+            name: {**mixer_options(name), **given.get(name, {})} for name in recurrent} or None)
+
+    @property
+    def layer_mixers(self) -> list[str]:
+        """The mixer of every layer: ``model.mixer``, or its list repeated over the layers."""
+        pattern = [self.mixer] if isinstance(self.mixer, str) else list(self.mixer)
+        return [pattern[layer % len(pattern)] for layer in range(self.n_layers)]
+
+    @property
+    def has_attention(self) -> bool:
+        return ATTENTION in self.layer_mixers
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer is a recurrent mixer."""
+        return set(self.layer_mixers) != {ATTENTION}
 
     @property
     def head_dim(self) -> int:
@@ -136,6 +171,34 @@ class ModelConfig:
             raise PosbenchError(
                 f"model.attention={self.attention!r} is not a backend; choose one of {', '.join(BACKENDS)}"
             )
+        self.validate_mixers()
+
+    def validate_mixers(self) -> None:
+        pattern = [self.mixer] if isinstance(self.mixer, str) else list(self.mixer)
+        unknown = [m for m in pattern if m not in list_mixers()]
+        if not pattern or unknown:
+            raise PosbenchError(f"model.mixer={self.mixer!r} is not a mixer or a list of mixers; choose from "
+                                f"{', '.join(list_mixers())}")
+        if not self.recurrent:
+            if self.mixer_options:
+                raise PosbenchError("model.mixer_options set, but model.mixer has no recurrent layer; "
+                                    "drop model.mixer_options or set model.mixer")
+            return
+        if self.layout != "sequence":
+            raise PosbenchError(f"model.mixer={self.mixer!r}: a recurrent mixer is causal, the {self.layout} "
+                                "layout is not; use model.mixer=attention")
+        if not self.has_attention and self.attention_window is not None:
+            raise PosbenchError("model.attention_window masks attention, and this model has no attention layer; "
+                                "set model.attention_window=null")
+        for name, options in (self.mixer_options or {}).items():
+            if name not in MIXERS or name not in pattern:
+                raise PosbenchError(f"model.mixer_options.{name}: {name} is not a recurrent mixer of this model "
+                                    f"(model.mixer={self.mixer!r})")
+            known = mixer_options(name)
+            extra = sorted(set(options or {}) - set(known))
+            if extra:
+                raise PosbenchError(f"unknown option(s) {', '.join(extra)} of mixer {name}; known: "
+                                    f"{', '.join(known)}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
@@ -152,6 +215,10 @@ class ModelConfig:
         for name, default in (("patch_dim", None), ("head", "tokens")):  # so do the token models'
             if values[name] == default:
                 del values[name]
+        if not self.recurrent:  # and the attention models'
+            del values["mixer"], values["mixer_options"]
+        elif not isinstance(self.mixer, str):
+            values["mixer"] = list(self.mixer)
         return values
 
     @property
@@ -196,14 +263,26 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.layer = layer
+        kind = cfg.layer_mixers[layer]
+        if kind == ATTENTION:
+            self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+            self.attn = Attention(cfg, layer)
+        else:
+            self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+            self.mixer = build_mixer(kind, cfg.d_model, cfg.n_heads, cfg.norm_eps, cfg.mixer_options[kind])
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: Tensor, positions: Tensor, method: PositionMethod, block_mask=None,
-                window: int | None = None, shared: Any = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, method, block_mask, window, shared)
+                window: int | None = None, shared: Any = None, state: dict | None = None) -> Tensor:
+        if hasattr(self, "mixer"):  # a recurrent layer: no position method, its state carried in `state`
+            y, final = self.mixer(self.mixer_norm(x), None if state is None else state.get(self.layer))
+            if state is not None:
+                state[self.layer] = final
+            x = x + y
+        else:
+            x = x + self.attn(self.attn_norm(x), positions, method, block_mask, window, shared)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -227,6 +306,9 @@ class Transformer(nn.Module):
                 f"method={method.name} is not made for the {cfg.layout} layout; "
                 f"choose a {cfg.layout} method ({', '.join(_methods_for(cfg.layout))})"
             )
+        if not cfg.has_attention and method.name != "nope":
+            raise PosbenchError(f"model.mixer={cfg.mixer!r} has no attention layer for method={method.name} to "
+                                "enter; use method=nope (a recurrent model takes no position method)")
         self.cfg = cfg
         self.position = method
         if cfg.patch_dim is None:
@@ -254,7 +336,7 @@ class Transformer(nn.Module):
             nn.init.zeros_(self.patch_embed.bias)  # its weight: normal(std), below
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and not name.startswith("position."):
-                is_residual_out = name.endswith("attn.out") or name.endswith("mlp.down")
+                is_residual_out = name.endswith(("attn.out", "mixer.out", "mlp.down"))
                 nn.init.normal_(module.weight, std=residual_std if is_residual_out else std)
 
     def embed_inputs(self, idx: Tensor) -> Tensor:
@@ -272,13 +354,27 @@ class Transformer(nn.Module):
         tensor), or with the pooled head their mean over the tokens (B, 1, C)."""
         return hidden.mean(dim=1, keepdim=True) if self.cfg.head == "pooled" else hidden
 
-    def hidden_states(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
+    def initial_state(self, batch: int, device: torch.device | str = "cpu") -> dict[int, tuple[Tensor, ...]]:
+        """The zero state of every recurrent layer for ``batch`` streams (empty: no recurrent layer)."""
+        dtype = self.lm_head.weight.dtype
+        return {block.layer: block.mixer.initial_state(batch, device, dtype)
+                for block in self.blocks if hasattr(block, "mixer")}
+
+    def set_mixer_form(self, form: str) -> None:
+        """Run every recurrent layer ``chunked`` (training) or ``recurrent`` (token by token); the
+        same function either way."""
+        for block in self.blocks:
+            if hasattr(block, "mixer"):
+                block.mixer.form = form
+
+    def hidden_states(self, idx: Tensor, positions: Tensor | None = None, state: dict | None = None) -> Tensor:
         """(B, T) token ids (or (B, T, patch_dim) features) -> (B, T, d_model) final normalised
         hidden states.
 
         ``positions``: (T,) or (B, T) position ids (randomized positions give each sequence its
         own row); default ``arange(T)``. On the grid layout: (T, 2) or (B, T, 2) cells (row, col);
         default the cells of the square grid of T tokens in row-major order.
+        ``state``: recurrent layers start from it and leave their final states in it (see the class).
         """
         B, T = idx.shape[:2]
         windows = layer_windows(self.cfg, self.position)
@@ -305,14 +401,15 @@ class Transformer(nn.Module):
             x = x + pos_emb.to(x.dtype)
         shared = self.position.per_forward(positions)  # a term all layers share, computed once
         for block, window in zip(self.blocks, windows):
-            x = block(x, positions, self.position, block_masks.get(window), window, shared)
+            x = block(x, positions, self.position, block_masks.get(window), window, shared, state)
         return self.norm(x)
 
-    def forward(self, idx: Tensor, positions: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, positions: Tensor | None = None, targets: Tensor | None = None,
+                state: dict | None = None) -> Tensor:
         """(B, T) token ids -> (B, T, vocab) logits; with ``targets`` (B, T) -> the mean
         next-token cross-entropy (fp32), computed by :func:`lm_loss` (as nanoGPT's forward).
         The pooled head gives (B, 1, vocab) logits and takes (B, 1) targets."""
-        hidden = self.answer_states(self.hidden_states(idx, positions))  # (B, T, C), pooled: (B, 1, C)
+        hidden = self.answer_states(self.hidden_states(idx, positions, state))  # (B, T, C), pooled: (B, 1, C)
         if targets is None:
             return self.lm_head(hidden)  # (B, T, vocab)
         if self.loss_chunk:

@@ -87,6 +87,9 @@ def run_facets(run: RunRecord) -> dict[str, Any]:
     model = {k: v for k, v in (run.results.get("model") or {}).items() if k not in _MODEL_RESULT_KEYS}
     facets: dict[str, Any] = {str(k): v for k, v in sorted(options.items())}
     facets.update({f"model.{k}": v for k, v in sorted(model.items())})
+    # A run that records no mixer is an attention model (every run from before mixers existed).
+    facets.setdefault("model.mixer", "attention")
+    facets.setdefault("model.mixer_options", None)
     facets["C"] = run.train_context
     train = run.results["train"]
     facets["steps"], facets["tokens"] = train.get("steps", ABSENT), train.get("tokens", ABSENT)
@@ -129,15 +132,24 @@ def _label_facets(facets: Sequence[dict[str, Any]]) -> list[list[str]]:
             by_flavour.setdefault(_encoded(f["model.flavour"]), []).append(f)
         within = {n for same in by_flavour.values() for n in _differing(same) if n.startswith("model.")}
         differ = [n for n in differ if not n.startswith("model.") or n in within] + ["model.flavour"]
+    if "model.mixer" in differ and "model.mixer_options" in differ:  # the mixer stands for its options
+        by_mixer: dict[str, list[dict[str, Any]]] = {}
+        for f in facets:
+            by_mixer.setdefault(_encoded(f["model.mixer"]), []).append(f)
+        if not any("model.mixer_options" in _differing(same) for same in by_mixer.values()):
+            differ.remove("model.mixer_options")
     if "steps" in differ:  # the tokens follow from the steps (and the batch, named when it differs)
         differ = [n for n in differ if n != "tokens"]
     return [differ, full]
 
 
-SHOWN_FACETS = ("model.attention_window", "data.retrieval")
-"""Facets a label always shows when set (not None), whatever the other groups: a windowed run is
-another model (the window baseline), never just ``rope`` because no plain rope run is beside it;
-a run trained with retrievable content (``data.retrieval``) is never pooled or named as plain."""
+SHOWN_FACETS = ("model.attention_window", "model.mixer", "data.retrieval")
+"""Facets a label always shows when set (not None, not attention), whatever the other groups: a
+windowed run is another model (the window baseline), never just ``rope`` because no plain rope run
+is beside it; a recurrent or hybrid model (``model.mixer``) is never named as its method alone
+(``nope[model.mixer=mamba2]``); a run trained with retrievable content (``data.retrieval``) is never
+pooled or named as plain."""
+_NOT_SET = (None, ABSENT, "attention")
 
 OFF_WHEN_ABSENT = ("data.retrieval",)
 """Facets a run without them has switched off (None, shown ``none``), rather than not recorded."""
@@ -177,7 +189,7 @@ def group_runs(runs: Sequence[RunRecord]) -> dict[str, Group]:
         candidates = _label_facets([facets_of[k] for k in keys]) if len(keys) > 1 else [[]]
         for differ in candidates:
             for g in mine:
-                shown = [*differ, *(n for n in SHOWN_FACETS if n not in differ and g.facets.get(n) not in (None, ABSENT))]
+                shown = [*differ, *(n for n in SHOWN_FACETS if n not in differ and g.facets.get(n) not in _NOT_SET)]
                 parts = [f"{n}={_shown(g.facets[n])}" for n in shown] + ([f"copy {g.copy}"] if g.copy > 1 else [])
                 g.label = f"{method}[{','.join(parts)}]" if parts else method
             if len({g.label for g in mine}) == len(mine):

@@ -434,6 +434,30 @@ def test_a_windowed_group_shows_its_window_even_alone(tmp_path: Path) -> None:
     assert sorted(group_runs(discover_runs([tmp_path / "p"])[0])) == ["rope"]
 
 
+def test_a_recurrent_group_is_never_named_as_its_method_alone(tmp_path: Path) -> None:
+    """A mamba2 model (method=nope) alone was labelled ``nope``, and beside a plain nope run its
+    label listed every mixer option; it shows its mixer, and the mixer stands for its options."""
+    from posbench.report.groups import group_runs
+
+    def mixed(name: str, seed: int, mixer: str | None, options: dict | None = None) -> None:
+        make_run(tmp_path / name, "nope", seed)
+        results = json.loads((tmp_path / name / "results.json").read_text())
+        if mixer is not None:
+            results["model"].update(mixer=mixer, mixer_options={mixer: options or {"d_state": 64}})
+        write_results(tmp_path / name, results)
+
+    for seed in (0, 1):
+        mixed(f"m/mamba2-s{seed}", seed, "mamba2")
+    assert sorted(group_runs(discover_runs([tmp_path / "m"])[0])) == ["nope[model.mixer=mamba2]"]
+    mixed("m/nope-s0", 0, None)  # an attention run records no mixer
+    mixed("m/gdn-s0", 0, "gated_deltanet")
+    groups = group_runs(discover_runs([tmp_path / "m"])[0])
+    assert sorted(groups) == ["nope[model.mixer=attention]", "nope[model.mixer=gated_deltanet]",
+                              "nope[model.mixer=mamba2]"]
+    mixed("p/nope-s0", 0, None)  # a plain run alone is just nope
+    assert sorted(group_runs(discover_runs([tmp_path / "p"])[0])) == ["nope"]
+
+
 def test_a_run_trained_with_retrieval_text_is_never_pooled_with_plain_runs(tmp_path: Path) -> None:
     """A run trained with ``data.retrieval`` (pass keys and repeated spans written into its
     training windows) was grouped with plain runs of its method as another seed of them."""
