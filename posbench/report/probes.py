@@ -35,7 +35,7 @@ Key = tuple[str, str, int]  # (kind, region, distance)
 # What a figure or table column shows: the cell's mean key, its per-window key, the axis label.
 MEASURES = {
     "retrieval": ("retrieval_gain", "window_retrieval_gains", "retrieval gain (nats): matched control - repeat"),
-    "sensitivity": ("gain", "window_gains", "sensitivity (nats): control - repeat"),
+    "sensitivity": ("sensitivity", "window_sensitivities", "sensitivity (nats): control - repeat"),
 }
 
 
