@@ -147,7 +147,7 @@ def copy_markdown(groups: dict[str, list[dict[str, Any]]]) -> str:
              "loss moves when the span is put at distance d (copying plus the disturbance of an out-of-place "
              "span; the probe's only number before the matched control). Mean ± 95 % interval: t across "
              "seeds, or the bootstrap over windows for one seed."), "",
-             REACH_DEFINITION.capitalize() + "; per seed in brackets when the seeds differ.", ""]
+             REACH_DEFINITION[:1].upper() + REACH_DEFINITION[1:] + "; per seed in brackets when the seeds differ.", ""]
     labels = _sorted_labels(groups)
     lines += ["| group | runs | " + "".join(f"{settings[n]} | " for n in varying)
               + " | ".join(f"reach ({k})" for k in kinds) + " |",
