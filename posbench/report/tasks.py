@@ -383,6 +383,9 @@ def task_figure(table: TaskTable):
     styles = line_styles(list(table.groups))
     for i, (test, metric) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
+        if not any(table.learnt(label, test) for label in table.groups):
+            ax.text(0.5, 0.5, "no seed learnt this test set at C:\nno claim past C (tasks.md lists each seed)",
+                    transform=ax.transAxes, ha="center", va="center", fontsize=8)
         for label in table.groups:
             runs = table.learnt(label, test)
             points = [(L, interval(runs, metric, L, test=test)) for L in table.lengths] if runs else []

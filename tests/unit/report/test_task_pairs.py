@@ -144,3 +144,14 @@ def test_the_change_from_c_is_a_paired_difference_in_differences(tmp_path):
     text = task_pairs_markdown(rows)
     assert f"| 16x16 | a | b | +0.107 | [{past.difference.low:+.3f}, {past.difference.high:+.3f}] | +0.007 | " in text
     assert "| 8x8 | a | b | +0.100 | [" in text and "|  |  | 0,1,2 | A above B |" in text
+
+
+def test_a_test_set_no_seed_learnt_says_so_in_its_panels(tmp_path):
+    from posbench.report.tasks import task_figure
+
+    runs = [copy_run(tmp_path, "alibi", s, {C: 1.0, 2 * C: 0.9}, {C: 0.5, 2 * C: 0.4}) for s in range(2)]
+    fig = task_figure(task_tables(runs)[0])
+    notes = [[t.get_text() for t in ax.texts] for ax in fig.axes]
+    assert notes == [[], ["no seed learnt this test set at C:\nno claim past C (tasks.md lists each seed)"]]
+    assert [len(ax.lines) > 2 for ax in fig.axes] == [True, False]  # the standard panel draws alibi
+    assert "alibi" in [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
