@@ -543,6 +543,7 @@ def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -
     table = copy_markdown(groups)
     assert "| group | runs | k | windows per cell | reach (random) |" in table
     assert "| rope (validation, windows=other) | 1 | 8 | 64 |" in table and "k - 1 tokens" in table
+    assert "of the grid. The reference is the retrieval gain" in table  # the definition keeps its capitals
 
 
 @pytest.mark.slow
