@@ -306,8 +306,8 @@ def summary_csv(metrics: Sequence[str], rows: Sequence[Row], groups: dict[str, G
 
 def _verdict(pair: Pair) -> str:
     d = pair.difference
-    if d.kind == ONE_SEED:
-        return "none: 1 seed"
+    if d.kind == ONE_SEED:  # one seed orders nothing, with or without an interval
+        return "one seed: no interval" if d.low is None else "none: 1 seed"
     if d.distinguishable is None:
         return "no interval"
     return "yes" if d.distinguishable else "not distinguishable"

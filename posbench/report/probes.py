@@ -35,7 +35,7 @@ Key = tuple[str, str, int]  # (kind, region, distance)
 # What a figure or table column shows: the cell's mean key, its per-window key, the axis label.
 MEASURES = {
     "retrieval": ("retrieval_gain", "window_retrieval_gains", "retrieval gain (nats): matched control - repeat"),
-    "sensitivity": ("gain", "window_gains", "sensitivity (nats): control - repeat"),
+    "sensitivity": ("sensitivity", "window_sensitivities", "sensitivity (nats): control - repeat"),
 }
 
 
@@ -147,7 +147,7 @@ def copy_markdown(groups: dict[str, list[dict[str, Any]]]) -> str:
              "loss moves when the span is put at distance d (copying plus the disturbance of an out-of-place "
              "span; the probe's only number before the matched control). Mean ± 95 % interval: t across "
              "seeds, or the bootstrap over windows for one seed."), "",
-             REACH_DEFINITION.capitalize() + "; per seed in brackets when the seeds differ.", ""]
+             REACH_DEFINITION[:1].upper() + REACH_DEFINITION[1:] + "; per seed in brackets when the seeds differ.", ""]
     labels = _sorted_labels(groups)
     lines += ["| group | runs | " + "".join(f"{settings[n]} | " for n in varying)
               + " | ".join(f"reach ({k})" for k in kinds) + " |",

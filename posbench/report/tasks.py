@@ -6,13 +6,15 @@
 at every length gets a 95 % interval: a t-interval over the seeds' means with >= 2 seeds, else a
 bootstrap over the one run's sequences (:func:`posbench.evaluation.stats.across_runs`).
 
-Gating: a seed that did not learn its task at C (accuracy at C on the standard test below
-``task.learnt_at_c``; :func:`posbench.evaluation.tasks.learnt_at_c`) is never averaged: the tables
-and figures average the learnt seeds only and list the others, seed by seed, as "not learnt at
-C". Each test set (``task.tests``) gets its own tables, with its baselines (chance and the
-shortcuts) and the task's answer axes (lookback, string length, ...) beside them. What a table
-shows comes from the run's task record and the task's declarations (:class:`posbench.tasks.Task`
-``metrics``, ``TESTS``, ``TEST_NOTES``, ``AXES``): nothing here names a task.
+Gating, test set by test set: a seed whose accuracy at C on a test set is below
+``task.learnt_at_c`` (:func:`posbench.evaluation.tasks.learnt_on_test`) is never averaged on that
+test set: its tables and figures average the seeds learnt on it only and list the others, seed by
+seed, as "not learnt at C". A test set can be harder at C than the standard one (copy's shifted
+test), and a gap already there at C is no effect past C. Each test set (``task.tests``) gets its
+own tables, with its baselines (chance and the shortcuts) and the task's answer axes (lookback,
+string length, ...) beside them. What a table shows comes from the run's task record and the
+task's declarations (:class:`posbench.tasks.Task` ``metrics``, ``TESTS``, ``TEST_NOTES``, ``AXES``):
+nothing here names a task.
 
 Writes ``tasks_<task>.png`` (accuracy and, for copy, exact match against length), ``tasks.md``
 and ``tasks.csv``.
@@ -32,7 +34,7 @@ import numpy as np
 
 from posbench.core.io import write_text_atomic
 from posbench.evaluation.stats import Interval, across_runs
-from posbench.evaluation.tasks import learnt_at_c
+from posbench.evaluation.tasks import learnt_at_c, learnt_on_test
 from posbench.model.extension import NONE
 from posbench.report.compare import group_runs
 from posbench.report.figures import line_styles, new_figure, save
@@ -62,15 +64,23 @@ def plain_entries(run: RunRecord, metric: str, test: str = STANDARD) -> dict[int
             if e.get("extension", NONE) == NONE and metric in e and test_set(e) == test}
 
 
-def learnt(run: RunRecord) -> bool:
-    """Whether the run learnt its task at C (:func:`posbench.evaluation.tasks.learnt_at_c`)."""
-    return learnt_at_c(run.results["task"], run.train_context)["learnt"]
+def gate(run: RunRecord, test: str | None = None):
+    """The learnt-at-C verdict of test set ``test`` (None: the reference test,
+    :func:`posbench.evaluation.tasks.learnt_at_c`; else
+    :func:`posbench.evaluation.tasks.learnt_on_test`)."""
+    task = run.results["task"]
+    return learnt_at_c(task, run.train_context) if test is None else learnt_on_test(task, run.train_context, test)
 
 
-def not_learnt_note(run: RunRecord) -> str:
-    """``s2 (0.868 < 0.9)``: a seed left out of the averages, with its accuracy at C."""
-    verdict = learnt_at_c(run.results["task"], run.train_context)
-    value = "no standard test at C" if verdict["value"] is None else f"{verdict['value']:.3f}"
+def learnt(run: RunRecord, test: str | None = None) -> bool:
+    """Whether the run learnt its task at C on test set ``test`` (None: the reference test)."""
+    return gate(run, test)["learnt"]
+
+
+def not_learnt_note(run: RunRecord, test: str | None = None) -> str:
+    """``s2 (0.868 < 0.9)``: a seed left out of the averages, with its accuracy at C on ``test``."""
+    verdict = gate(run, test)
+    value = f"no {verdict['test_set']} test at C" if verdict["value"] is None else f"{verdict['value']:.3f}"
     return f"s{run.seed} ({value} < {verdict['threshold']:g})"
 
 
@@ -122,7 +132,8 @@ def unscored_reason(run: RunRecord) -> str | None:
 @dataclass
 class TaskTable:
     """One task's comparison: its groups (label -> runs, every seed), lengths, metrics, chance
-    level and test sets. :meth:`learnt` and :meth:`not_learnt` split a group by the gate."""
+    level and test sets. :meth:`learnt` and :meth:`not_learnt` split a group by the gate of a
+    test set (None: the reference test)."""
 
     name: str
     label: str
@@ -160,11 +171,11 @@ class TaskTable:
         """Where a length is drawn: the length, or a grid's side."""
         return math.isqrt(length) if self.grid else length
 
-    def learnt(self, label: str) -> list[RunRecord]:
-        return [r for r in self.groups[label] if learnt(r)]
+    def learnt(self, label: str, test: str | None = None) -> list[RunRecord]:
+        return [r for r in self.groups[label] if learnt(r, test)]
 
-    def not_learnt(self, label: str) -> list[RunRecord]:
-        return [r for r in self.groups[label] if not learnt(r)]
+    def not_learnt(self, label: str, test: str | None = None) -> list[RunRecord]:
+        return [r for r in self.groups[label] if not learnt(r, test)]
 
     def baselines(self, test: str, length: int) -> dict[str, float]:
         """The baselines stored with the test sequences (the same for every run), else chance."""
@@ -242,16 +253,16 @@ def _baseline_rows(table: TaskTable, test: str) -> list[str]:
 def _not_learnt_rows(table: TaskTable, metric: str, test: str) -> list[str]:
     rows = []
     for label in table.groups:
-        for run in table.not_learnt(label):
+        for run in table.not_learnt(label, test):
             cells = " | ".join(_cell(interval([run], metric, L, test=test)) for L in table.lengths)
-            rows.append(f"| {label} s{run.seed} | {not_learnt_note(run)} | {cells} |")
+            rows.append(f"| {label} s{run.seed} | {not_learnt_note(run, test)} | {cells} |")
     return rows
 
 
 def _band_table(table: TaskTable, test: str, by: str, title: str) -> list[str]:
     """Accuracy by the bands of ``by`` at the longest length, learnt seeds only."""
     longest = table.lengths[-1]
-    buckets = sorted({b for label in table.groups for r in table.learnt(label)
+    buckets = sorted({b for label in table.groups for r in table.learnt(label, test)
                       for b in plain_entries(r, "accuracy", test).get(longest, {}).get(by, {})},
                      key=lambda b: int(b.split("-")[0]))
     if not buckets:
@@ -262,7 +273,7 @@ def _band_table(table: TaskTable, test: str, by: str, title: str) -> list[str]:
              "| method | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
     answers = {}
     for label in table.groups:
-        if runs := table.learnt(label):
+        if runs := table.learnt(label, test):
             lines.append(f"| {label} | " + " | ".join(_cell(interval(runs, "accuracy", longest, b, test, by))
                                                        for b in buckets) + " |")
             bands = plain_entries(runs[0], "accuracy", test).get(longest, {}).get(by, {})
@@ -272,14 +283,14 @@ def _band_table(table: TaskTable, test: str, by: str, title: str) -> list[str]:
 
 def tables_markdown(tables: Sequence[TaskTable]) -> str:
     """``tasks.md``: per task, test set and metric, mean ± 95 % half-width by length over the
-    seeds that learnt the task at C, the baselines and answer axis beside them, the seeds that
+    seeds that learnt the task at C on that test set, the baselines and answer axis beside them, the seeds that
     did not learn it one by one; then accuracy by answer position (and lookback or string
     length) at the longest length."""
     lines = ["# Synthetic tasks: accuracy on answer tokens by length", "",
              ("Mean over test sequences (each sequence's fraction of right answers) ± the 95 % half-width: "
               "t-interval over seeds, or a bootstrap over sequences for one seed (column `interval`). "
-              "Only seeds that learnt the task at C (accuracy at C on the standard test >= task.learnt_at_c) "
-              "are averaged; the others are listed apart as not learnt at C. See docs/tasks.md."), ""]
+              "On each test set, only seeds that learnt it at C (accuracy at C on that test set >= "
+              "task.learnt_at_c) are averaged; the others are listed apart as not learnt at C. See docs/tasks.md."), ""]
     for table in tables:
         c = table.context
         trained = f"{table.length_name(c)} = {c} cells" if table.grid else f"C = {c}"
@@ -290,9 +301,9 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
                 lines += [f"**{metric}**", "", f"| method | seeds | {_head(table)} | interval | not learnt at C |",
                           "|---|---:|" + "---:|" * len(table.lengths) + "---|---|"]
                 for label in table.groups:
-                    runs, left_out = table.learnt(label), table.not_learnt(label)
+                    runs, left_out = table.learnt(label, test), table.not_learnt(label, test)
                     cells = " | ".join(_cell(interval(runs, metric, L, test=test)) for L in table.lengths)
-                    note = ", ".join(not_learnt_note(r) for r in left_out)
+                    note = ", ".join(not_learnt_note(r, test) for r in left_out)
                     lines.append(f"| {label} | {len(runs)} | {cells} | {_how(runs) if runs else '-'} | {note} |")
                 if metric == "accuracy":
                     lines += _baseline_rows(table, test)
@@ -308,7 +319,7 @@ def tables_markdown(tables: Sequence[TaskTable]) -> str:
 
 def tables_csv(tables: Sequence[TaskTable]) -> str:
     """``tasks.csv``: one row per (task, test set, group, metric, length, band or ``all``) over
-    the learnt seeds (``not_learnt`` counts the seeds left out); ``options`` is the task's
+    the seeds learnt on that test set (``not_learnt`` counts the seeds left out); ``options`` is the task's
     options as JSON, ``positions`` is ``all``, a position band or ``lookback:a-b``
     (``string_length:a-b``), and ``baselines`` (rows of accuracy over ``all``) the JSON of the
     baselines' expected accuracy on the same sequences."""
@@ -320,7 +331,7 @@ def tables_csv(tables: Sequence[TaskTable]) -> str:
         options = table.label.split(" ", 1)[1]
         for test in table.tests:
             for label in table.groups:
-                runs, left_out = table.learnt(label), len(table.not_learnt(label))
+                runs, left_out = table.learnt(label, test), len(table.not_learnt(label, test))
                 for metric in table.metrics:
                     for L in table.lengths:
                         entry = plain_entries(runs[0], metric, test).get(L, {}) if runs else {}
@@ -367,8 +378,11 @@ def task_figure(table: TaskTable):
     styles = line_styles(list(table.groups))
     for i, (test, metric) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
+        if not any(table.learnt(label, test) for label in table.groups):
+            ax.text(0.5, 0.5, "no seed learnt this test set at C:\nno claim past C (tasks.md lists each seed)",
+                    transform=ax.transAxes, ha="center", va="center", fontsize=8)
         for label in table.groups:
-            runs, left_out = table.learnt(label), len(table.not_learnt(label))
+            runs = table.learnt(label, test)
             points = [(L, interval(runs, metric, L, test=test)) for L in table.lengths] if runs else []
             points = [(L, v) for L, v in points if v is not None]
             if not points:
@@ -377,10 +391,8 @@ def task_figure(table: TaskTable):
             y = np.array([v.mean for _, v in points])
             err = np.array([[v.mean - (v.low if v.low is not None else v.mean) for _, v in points],
                             [(v.high if v.high is not None else v.mean) - v.mean for _, v in points]])
-            note = f"; {left_out} not learnt at C" if left_out else ""
             ax.errorbar(x, y, yerr=err, color=styles[label]["color"], marker=styles[label]["marker"] or "o",
-                        markersize=4, capsize=3, linewidth=1.3,
-                        label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''}{note})")
+                        markersize=4, capsize=3, linewidth=1.3, label=label)
         if metric == "accuracy":
             _baseline_lines(ax, table, test)
         ax.axvline(table.x(table.context), color="black", linestyle=":", linewidth=1)
@@ -392,8 +404,13 @@ def task_figure(table: TaskTable):
         ax.set_ylabel(metric.replace("_", " "))
         ax.grid(alpha=0.3)
         ax.set_title(f"test set {test}: {metric} on answer tokens", fontsize=8)
-    fig.suptitle(f"{table.label}\nseeds that learnt the task at C, 95 % intervals", fontsize=8)
-    fig.axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(f"{table.label}\non each test set the seeds that learnt it at C (tasks.md counts them), "
+                 "95 % intervals", fontsize=8)
+    handles: dict[str, Any] = {}
+    for ax in fig.axes:  # every group and baseline once (a test set no seed learnt draws no line of it)
+        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(name, handle)
+    fig.axes[-1].legend(handles.values(), handles.keys(), fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     return fig
 
 
@@ -415,5 +432,5 @@ def plot_task_runs(runs: Sequence[RunRecord], out: Path, formats: Sequence[str],
     return files + [out / "tasks.md", out / "tasks.csv"]
 
 
-__all__ = ["TaskTable", "interval", "is_task_run", "learnt", "plain_entries", "plot_task_runs", "unscored_reason",
+__all__ = ["TaskTable", "gate", "interval", "is_task_run", "learnt", "plain_entries", "plot_task_runs", "unscored_reason",
            "tables_csv", "tables_markdown", "task_figure", "task_tables"]

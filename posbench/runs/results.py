@@ -22,6 +22,11 @@ _REQUIRED_TOP = ("schema_version", "method", "seed", "train_context", "train", "
 _REQUIRED_TRAIN = ("tokens", "steps", "final_loss", "tokens_per_second", "wall_seconds", "device")
 _REQUIRED_EVAL = ("split", "length", "num_sequences", "loss_by_position", "bands")
 
+# A copy probe cell's sensitivity (loss(control) - loss(repeat)) was stored under ``gain`` before
+# the matched control gave the probe its retrieval gain; reading renames the old keys.
+OLD_COPY_CELL_KEYS = {"gain": "sensitivity", "interval": "sensitivity_interval", "gain_se": "sensitivity_se",
+                      "window_gains": "window_sensitivities"}
+
 
 def versions() -> dict[str, str]:
     """Software and device the results were produced with."""
@@ -119,7 +124,23 @@ def read_results(path: str | os.PathLike) -> Results:
     if path.is_dir():
         path = path / RESULTS_FILE
     with open(path) as f:
-        return validate_results(json.load(f))
+        return upgrade_results(validate_results(json.load(f)))
+
+
+def upgrade_results(results: Results) -> Results:
+    """Old records read as new ones, in place: each copy probe cell's ``gain``, ``interval``,
+    ``gain_se`` and ``window_gains`` (the sensitivity, named before the matched control existed)
+    become ``sensitivity``, ``sensitivity_interval``, ``sensitivity_se`` and ``window_sensitivities``.
+    A cell that already holds ``sensitivity`` is left as it is."""
+    for entry in results.get("probes") or []:
+        if not isinstance(entry, dict) or entry.get("probe") != "copy":
+            continue
+        for cell in entry.get("cells") or []:
+            if isinstance(cell, dict) and "sensitivity" not in cell:
+                for old, new in OLD_COPY_CELL_KEYS.items():
+                    if old in cell:
+                        cell[new] = cell.pop(old)
+    return results
 
 
 def quarantine(path: str | os.PathLike, why: str, log: Callable[[str], None], copy: bool = False) -> Path:

@@ -17,8 +17,10 @@ can be copied. Per window, on those ``k - 1`` targets:
     sensitivity    = loss(control) - loss(repeat)   how much putting S at p (instead of the
                                                     filler's text) moves the loss: copying plus the
                                                     disturbance of an out-of-place span (results.json
-                                                    key ``gain``, the probe's number before the
-                                                    matched control existed)
+                                                    key ``sensitivity``; records from before the
+                                                    matched control call it ``gain``, and read it
+                                                    back as ``sensitivity``:
+                                                    :func:`posbench.runs.results.upgrade_results`)
 
 A cell ``(kind, d, region)`` reports each one's mean over windows with a 95 % bootstrap interval
 and its standard error. ``sensitivity - retrieval gain = loss(control) - loss(matched)`` is the
@@ -65,10 +67,12 @@ DEFAULT_DISTANCES = (32, 64, 128, 192, 256, 320, 384, 512, 768)
 # model that copies random spans gains nats (their matched control's loss is ln V or more).
 REACH_MIN_GAIN = 0.5
 REACH_DEFINITION = ("reach: the largest distance d such that the retrieval gain of a repeat placed past the "
-                    "training context stays at least half of the retrieval gain at the smallest distance inside "
-                    "the context, at d and at every smaller distance of the grid (0 when it never does, or when "
-                    f"that in-context gain is below {REACH_MIN_GAIN} nats; none for an entry without the "
-                    "matched control)")
+                    "training context stays at least half of the reference gain, at d and at every smaller "
+                    "distance of the grid. The reference is the retrieval gain inside the context at the smallest "
+                    "distance d >= 2k (at least k other tokens between the two copies: never the adjacent copy "
+                    "at d = k, whose repeat follows its first occurrence at once). 0 when it never does, or when "
+                    f"the reference is below {REACH_MIN_GAIN} nats; none when no distance >= 2k fits inside the "
+                    "context, or for an entry without the matched control")
 NO_MATCHED = "no matched control (an entry written before it existed: sensitivity only)"
 
 
@@ -84,12 +88,21 @@ def cell_losses(model: nn.Module, windows: torch.Tensor, cell: Cell, batch_size:
     return score_rows(model, inputs, targets, batch_size, device, autocast_dtype, None).mean(dim=1).numpy()
 
 
-def reach(gains: dict[tuple[int, str], float], distances: Sequence[int]) -> int:
-    """:data:`REACH_DEFINITION` of one kind's mean retrieval gains ``{(distance, region): gain}``."""
-    inside = sorted(d for d, r in gains if r == "inside")
-    if not inside or not gains[(inside[0], "inside")] >= REACH_MIN_GAIN:
+def reference_distance(gains: dict[tuple[int, str], float], span: int) -> int | None:
+    """The distance of the reach's reference cell: the smallest inside C with ``d >= 2 * span``
+    (not the adjacent copy at ``d = span``, which a model can copy as a continuation), or None."""
+    return min((d for d, r in gains if r == "inside" and d >= 2 * span), default=None)
+
+
+def reach(gains: dict[tuple[int, str], float], distances: Sequence[int], span: int) -> int | None:
+    """:data:`REACH_DEFINITION` of one kind's mean retrieval gains ``{(distance, region): gain}``
+    with spans of ``span`` tokens; None without a reference cell."""
+    ref = reference_distance(gains, span)
+    if ref is None:
+        return None
+    if not gains[(ref, "inside")] >= REACH_MIN_GAIN:
         return 0
-    half = gains[(inside[0], "inside")] / 2
+    half = gains[(ref, "inside")] / 2
     best = 0
     for d in sorted(set(distances)):
         if (d, "past") not in gains:
@@ -109,12 +122,16 @@ def has_matched(entry: dict[str, Any]) -> bool:
 def entry_reach(entry: dict[str, Any], kind: str) -> int | None:
     """The reach of ``kind`` recomputed from a results.json entry's retrieval gains with today's
     :data:`REACH_DEFINITION` (an older entry's stored ``reach`` may follow an older one); None
-    when the entry has no cell of that kind or no matched control (no retrieval gain)."""
+    when the entry has no cell of that kind, no matched control (no retrieval gain), no span
+    (``span``, else a cell's ``length - t``) or no reference cell."""
     if not has_matched(entry):
         return None
-    gains = {(int(c["distance"]), c["region"]): float(c["retrieval_gain"]) for c in entry["cells"]
-             if c["kind"] == kind}
-    return reach(gains, entry.get("distances") or sorted({d for d, _ in gains})) if gains else None
+    cells = [c for c in entry["cells"] if c["kind"] == kind]
+    span = entry.get("span") or next((c["length"] - c["t"] for c in cells if "length" in c and "t" in c), None)
+    if not cells or span is None:
+        return None
+    gains = {(int(c["distance"]), c["region"]): float(c["retrieval_gain"]) for c in cells}
+    return reach(gains, entry.get("distances") or sorted({d for d, _ in gains}), int(span))
 
 
 def standard_error(values: np.ndarray) -> float:
@@ -124,7 +141,7 @@ def standard_error(values: np.ndarray) -> float:
 
 def paired_cell(kind: str, cell: Cell, repeat: np.ndarray, control: np.ndarray, matched: np.ndarray) -> dict[str, Any]:
     """A results.json cell from the per-window losses ``(N,)`` of the three windows of ``cell``:
-    the retrieval gain and the sensitivity (key ``gain``), each paired per window."""
+    the retrieval gain and the sensitivity, each paired per window."""
     sensitivity = control - repeat  # (N,)
     retrieval = matched - repeat  # (N,)
     s, r = bootstrap_interval(sensitivity), bootstrap_interval(retrieval)
@@ -133,8 +150,8 @@ def paired_cell(kind: str, cell: Cell, repeat: np.ndarray, control: np.ndarray, 
         "length": cell.length, "loss_repeat": float(repeat.mean()), "loss_control": float(control.mean()),
         "loss_matched": float(matched.mean()),
         "retrieval_gain": r.mean, "retrieval_interval": [r.low, r.high], "retrieval_se": standard_error(retrieval),
-        "gain": s.mean, "interval": [s.low, s.high], "gain_se": standard_error(sensitivity), "count": s.n,
-        "window_retrieval_gains": retrieval.tolist(), "window_gains": sensitivity.tolist(),
+        "sensitivity": s.mean, "sensitivity_interval": [s.low, s.high], "sensitivity_se": standard_error(sensitivity),
+        "count": s.n, "window_retrieval_gains": retrieval.tolist(), "window_sensitivities": sensitivity.tolist(),
     }
 
 
@@ -146,7 +163,7 @@ def copy_probe(model: nn.Module, tokens: np.ndarray, vocab_size: int, special_id
     training text). Each entry holds the settings, ``windows_sha256``, ``matched_sha256``,
     ``seconds``, ``reach`` (per kind, :data:`REACH_DEFINITION`) and ``cells`` (:func:`paired_cell`):
     per (kind, distance, region) the positions ``p, t, length``, the three mean losses, the
-    ``retrieval_gain`` and the sensitivity ``gain``, each with its bootstrap interval over windows,
+    ``retrieval_gain`` and the ``sensitivity``, each with its bootstrap interval over windows,
     its standard error and its per-window values (for pairing), and ``count``.
     Cells longer than the model's learned positions are left out (logged).
     """
@@ -226,8 +243,8 @@ def format_gains(entry: dict[str, Any], kind: str | None = None) -> str:
         for region in REGIONS:
             cells = [c for c in entry["cells"] if c["kind"] == k and c["region"] == region]
             if cells:
-                shown = (f"{c['distance']}:{c['retrieval_gain']:+.2f}/{c['gain']:+.2f}" if matched
-                         else f"{c['distance']}:{c['gain']:+.2f}" for c in cells)
+                shown = (f"{c['distance']}:{c['retrieval_gain']:+.2f}/{c['sensitivity']:+.2f}" if matched
+                         else f"{c['distance']}:{c['sensitivity']:+.2f}" for c in cells)
                 parts.append(f"{k} {region} " + " ".join(shown))
     what = "retrieval gain/sensitivity" if matched else f"sensitivity only, {NO_MATCHED.split(' (')[0]}"
     return f"{what}: " + " | ".join(parts)
@@ -250,7 +267,7 @@ def probe_summary(entries: Sequence[dict[str, Any]]) -> dict[str, float]:
             cell = f"{prefix}/{c['kind']}/{c['region']}"
             if "retrieval_gain" in c:
                 out[f"{cell}/retrieval_gain_d{c['distance']}"] = c["retrieval_gain"]
-            out[f"{cell}/sensitivity_d{c['distance']}"] = c["gain"]
+            out[f"{cell}/sensitivity_d{c['distance']}"] = c["sensitivity"]
     return out
 
 
@@ -282,4 +299,4 @@ class CopyProbe(Probe):
 
 __all__ = ["CopyProbe", "CopySettings", "DEFAULT_DISTANCES", "NO_MATCHED", "REACH_DEFINITION", "REACH_MIN_GAIN",
            "cell_losses", "copy_probe", "entry_reach", "format_gains", "has_matched", "paired_cell", "probe_summary",
-           "reach", "standard_error"]
+           "reach", "reference_distance", "standard_error"]

@@ -5,6 +5,7 @@ matched control existed, and its results.json integration."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,14 @@ import torch.nn.functional as F
 import posbench
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.probes import ProbeRun, configure_probes, get_probe, run_probes
-from posbench.evaluation.probes.copy import NO_MATCHED, REACH_MIN_GAIN, CopySettings, probe_summary, reach
+from posbench.evaluation.probes.copy import (
+    NO_MATCHED,
+    REACH_DEFINITION,
+    REACH_MIN_GAIN,
+    CopySettings,
+    probe_summary,
+    reach,
+)
 from posbench.evaluation.probes.copy import copy_probe as copy_probe_with
 from posbench.evaluation.probes.copy_windows import cell_for, make_windows, probe_cells, shares_ngram
 from posbench.evaluation.probes.merge import merge_probe_entries
@@ -70,11 +78,11 @@ def test_window_model_has_zero_gain_beyond_its_receptive_field_and_copies_within
     entry = probe(copying_window_model)
     for cell in entry["cells"]:
         if cell["distance"] >= RECEPTIVE_FIELD:  # d >= N (W - 1) + k: no path from the first copy
-            assert abs(cell["gain"]) < 1e-5, cell
-            assert max(abs(g) for g in cell["window_gains"]) < 1e-5
+            assert abs(cell["sensitivity"]) < 1e-5, cell
+            assert max(abs(g) for g in cell["window_sensitivities"]) < 1e-5
             assert max(abs(g) for g in cell["window_retrieval_gains"]) < 1e-5
         else:  # d = 8 < W, inside C and past it
-            assert cell["interval"][0] > 0.1, cell
+            assert cell["sensitivity_interval"][0] > 0.1, cell
             assert cell["retrieval_interval"][0] > 0.1, cell
     assert entry["reach"]["random"] == 8
 
@@ -84,10 +92,10 @@ def test_untrained_window_model_is_exactly_blind_beyond_its_receptive_field() ->
     model = posbench.create_model("rope", flavour="tiny", vocab_size=V, attention_window=W).eval()
     entry = probe(model, distances=[RECEPTIVE_FIELD - 1, RECEPTIVE_FIELD])
     far = [c for c in entry["cells"] if c["distance"] == RECEPTIVE_FIELD]
-    assert far and all(max(abs(g) for g in c["window_gains"]) < 1e-5 for c in far)
+    assert far and all(max(abs(g) for g in c["window_sensitivities"]) < 1e-5 for c in far)
     # one token closer, the first copy's last token reaches the first scored one: the rule is tight
     near = [c for c in entry["cells"] if c["distance"] == RECEPTIVE_FIELD - 1]
-    assert near and all(max(abs(g) for g in c["window_gains"]) > 1e-7 for c in near)
+    assert near and all(max(abs(g) for g in c["window_sensitivities"]) > 1e-7 for c in near)
 
 
 def test_untrained_model_has_no_gain() -> None:
@@ -96,8 +104,8 @@ def test_untrained_model_has_no_gain() -> None:
     entry = probe(model)
     for cell in entry["cells"]:
         # ~0: a few thousandths of a nat against a loss of ln(64) = 4.16, and no reach at all.
-        assert abs(cell["gain"]) < 0.02 and abs(cell["retrieval_gain"]) < 0.02, cell
-        assert cell["interval"][0] < 0.02 and cell["count"] == 32
+        assert abs(cell["sensitivity"]) < 0.02 and abs(cell["retrieval_gain"]) < 0.02, cell
+        assert cell["sensitivity_interval"][0] < 0.02 and cell["count"] == 32
     assert entry["reach"] == {"random": 0, "text": 0}
 
 
@@ -147,10 +155,10 @@ def test_a_model_that_only_notices_out_of_place_ids_has_no_retrieval_gain() -> N
     entry = oracle_probe(DisturbedModel())
     assert len(entry["cells"]) == 5  # inside d=8, 24; past d=8, 24, 40 (d=40 does not fit inside C=32)
     for cell in entry["cells"]:
-        assert cell["interval"][0] > 0.05, cell  # sensitive to what sits at distance d
+        assert cell["sensitivity_interval"][0] > 0.05, cell  # sensitive to what sits at distance d
         assert cell["retrieval_interval"][0] <= 0.0 <= cell["retrieval_interval"][1], cell
         assert abs(cell["retrieval_gain"]) <= 3 * cell["retrieval_se"] + 1e-12, cell
-        assert abs(cell["retrieval_gain"]) < cell["gain"] / 10
+        assert abs(cell["retrieval_gain"]) < cell["sensitivity"] / 10
     assert entry["reach"] == {"random": 0}
 
 
@@ -273,9 +281,9 @@ def test_cells_past_learned_positions_are_left_out_on_the_same_windows() -> None
 def test_tables_recompute_the_reach_from_the_cells() -> None:
     from posbench.report.probes import mean_reach
 
-    cells = [{"kind": "random", "region": "inside", "distance": 32, "gain": 3.0, "retrieval_gain": 0.2},
-             {"kind": "random", "region": "past", "distance": 32, "gain": 3.0, "retrieval_gain": 0.2}]
-    stale = {"probe": "copy", "distances": [32], "reach": {"random": 32}, "cells": cells}  # written with a 0.1 floor
+    cells = [{"kind": "random", "region": "inside", "distance": 32, "sensitivity": 3.0, "retrieval_gain": 0.2},
+             {"kind": "random", "region": "past", "distance": 32, "sensitivity": 3.0, "retrieval_gain": 0.2}]
+    stale = {"probe": "copy", "span": 16, "distances": [32], "reach": {"random": 32}, "cells": cells}  # a 0.1 floor
     assert mean_reach([stale], "random") == 0.0  # retrieval 0.2 < REACH_MIN_GAIN: barely copies (whatever the sensitivity)
     assert mean_reach([stale], "text") is None
 
@@ -283,9 +291,10 @@ def test_tables_recompute_the_reach_from_the_cells() -> None:
 def test_probe_summary_for_the_tracker() -> None:
     from posbench.evaluation.probes.copy import probe_summary
 
-    cells = [{"kind": "random", "region": "inside", "distance": 32, "gain": 2.0, "retrieval_gain": 1.6},
-             {"kind": "random", "region": "past", "distance": 64, "gain": 1.5, "retrieval_gain": 1.0}]
-    entry = {"probe": "copy", "extension": "none", "kinds": ["random"], "distances": [32, 64], "reach": {"random": 64},
+    cells = [{"kind": "random", "region": "inside", "distance": 32, "sensitivity": 2.0, "retrieval_gain": 1.6},
+             {"kind": "random", "region": "past", "distance": 64, "sensitivity": 1.5, "retrieval_gain": 1.0}]
+    entry = {"probe": "copy", "extension": "none", "kinds": ["random"], "span": 16, "distances": [32, 64],
+             "reach": {"random": 64},
              "cells": cells}
     summary = probe_summary([entry, {**entry, "extension": "yarn"}])
     assert summary == {
@@ -332,11 +341,35 @@ def test_cell_rule() -> None:
 
 
 def test_reach() -> None:
-    gains = {(32, "inside"): 4.0, (64, "inside"): 3.0, (32, "past"): 3.9, (64, "past"): 2.5, (128, "past"): 1.0,
+    gains = {(32, "inside"): 4.5, (64, "inside"): 4.0, (32, "past"): 3.9, (64, "past"): 2.5, (128, "past"): 1.0,
              (256, "past"): 3.0}
-    assert reach(gains, [32, 64, 128, 256]) == 64  # stops at the first distance below half (2.0)
-    assert reach({**gains, (32, "inside"): REACH_MIN_GAIN / 2}, [32, 64]) == 0  # barely copies at all
-    assert reach({(32, "inside"): 4.0, (32, "past"): 1.0}, [32]) == 0
+    assert reach(gains, [32, 64, 128, 256], span=32) == 64  # stops at the first distance below half of 4.0
+    assert reach({**gains, (64, "inside"): REACH_MIN_GAIN / 2}, [32, 64], span=32) == 0  # barely copies at all
+    assert reach({(32, "inside"): 4.0, (64, "inside"): 4.0, (32, "past"): 1.0}, [32, 64], span=32) == 0
+    assert reach({(32, "inside"): 4.0, (32, "past"): 4.0}, [32], span=32) is None  # only the adjacent copy inside C
+
+
+def test_the_reach_of_a_model_that_copies_past_c_is_not_set_by_the_adjacent_copy() -> None:
+    """A model that copies at every distance, past C too, but the adjacent repeat (d = k: S S)
+    best, as a continuation: the old reference (the smallest distance, d = k) set the bar at
+    half of 9 nats, above every other cell, and gave reach 0; the reference at d >= 2k gives the
+    whole grid."""
+    from posbench.evaluation.probes.copy import entry_reach, reference_distance
+
+    k, distances = 32, [32, 64, 128, 192, 256, 320, 384, 512, 768]
+    gains = {(d, r): (9.0 if d == k else 4.0) for r in ("inside", "past") for d in distances
+             if r == "past" or d <= 256 - k}
+    gains[(k, "past")] = 4.2  # past C the adjacent copy no longer stands out
+    assert reference_distance(gains, k) == 64
+    assert reach(gains, distances, span=k) == 768
+    # what the old reference (the one cell at d = k) made of the same model
+    assert not all(gains[(d, "past")] >= gains[(k, "inside")] / 2 for d in distances)
+    cells = [{"kind": "random", "region": r, "distance": d, "p": 0, "t": 256, "length": 256 + k, "sensitivity": g,
+              "retrieval_gain": g} for (d, r), g in gains.items()]
+    entry = {"probe": "copy", "span": k, "distances": distances, "cells": cells}
+    assert entry_reach(entry, "random") == 768
+    assert entry_reach({**entry, "span": None}, "random") == 768  # the span read from a cell: length - t
+    assert "never the adjacent copy" in REACH_DEFINITION
 
 
 def test_the_probe_reads_held_out_text_only() -> None:
@@ -403,7 +436,7 @@ def test_training_and_posbench_eval_write_probe_entries(tmp_path) -> None:
     (entry,) = results["probes"]
     assert entry["probe"] == "copy" and entry["extension"] == "none" and entry["kinds"] == ["random"]
     assert {(c["distance"], c["region"]) for c in entry["cells"]} == {(8, "inside"), (8, "past"), (40, "past")}
-    assert all(c["count"] == 4 and len(c["window_gains"]) == 4 for c in entry["cells"])
+    assert all(c["count"] == 4 and len(c["window_sensitivities"]) == 4 for c in entry["cells"])
     # posbench eval with an extension adds its entry beside the plain one, replacing the plain one.
     cfg = compose_config("eval", [f"run={run}", "eval.lengths=[64]", "eval.num_sequences=2", *probe_options,
                                   "eval.extension=[window]"])
@@ -437,8 +470,8 @@ def fake_probe_entry(gain: float, windows: str = "w64", num_windows: int = 64, m
     """A copy probe entry of two cells (random spans, d=8 inside, d=300 past) with retrieval gain
     and sensitivity ``gain``; ``matched=False``: as written before the matched control existed."""
     cells = [{"kind": "random", "distance": d, "region": region, "p": 0, "t": 0, "length": 320,
-              "loss_repeat": 1.0, "loss_control": 1.0 + gain, "gain": gain, "interval": [gain - 0.1, gain + 0.1],
-              "count": num_windows, "window_gains": [gain] * num_windows} for d, region in ((8, "inside"), (300, "past"))]
+              "loss_repeat": 1.0, "loss_control": 1.0 + gain, "sensitivity": gain, "sensitivity_interval": [gain - 0.1, gain + 0.1],
+              "count": num_windows, "window_sensitivities": [gain] * num_windows} for d, region in ((8, "inside"), (300, "past"))]
     entry = {"probe": "copy", "split": "validation", "extension": "none", "seed": 0, "span": 4,
              "num_windows": num_windows, "distances": [8, 300], "kinds": ["random"], "train_context": 256,
              "windows_sha256": windows, "reach": {"random": 300}, "cells": cells, **extra}
@@ -475,7 +508,7 @@ def test_a_probe_measured_otherwise_is_kept_beside_the_runs_entry() -> None:
     merged = merge_probe_entries([own], [fewer])
     assert merged == [own, {**fewer, "variant": "num_windows=8"}]
     again = merge_probe_entries(merged, [fake_probe_entry(0.7, windows="w8", num_windows=8)])
-    assert [(e.get("variant"), e["cells"][0]["gain"]) for e in again] == [(None, 1.0), ("num_windows=8", 0.7)]
+    assert [(e.get("variant"), e["cells"][0]["sensitivity"]) for e in again] == [(None, 1.0), ("num_windows=8", 0.7)]
     lines: list[str] = []
     replaced = merge_probe_entries([own], [fewer], replace=True, log=lines.append)
     assert replaced == [{**own, "variant": "replaced"}, fewer] and "eval.replace=true" in lines[0]
@@ -503,13 +536,14 @@ def test_probe_lines_pool_one_entry_per_run_of_one_measurement(tmp_path: Path) -
         results = make_run(tmp_path / "s" / f"rope-{seed}", "rope", seed)
         write_results(tmp_path / "s" / f"rope-{seed}", {**results, "probes": probes})
     groups = probe_groups(discover_runs([tmp_path / "s"])[0])
-    assert {label: [e["cells"][0]["gain"] for e in entries] for label, entries in groups.items()} == {
+    assert {label: [e["cells"][0]["sensitivity"] for e in entries] for label, entries in groups.items()} == {
         "rope (validation, windows=w64)": [1.0, 1.2], "rope (test)": [2.0],
         "rope (validation, num_windows=8)": [0.2], "rope (validation, windows=other)": [0.1]}
     assert cell_intervals(groups["rope (test)"])[("random", "inside", 8)].kind == "bootstrap"
     table = copy_markdown(groups)
     assert "| group | runs | k | windows per cell | reach (random) |" in table
     assert "| rope (validation, windows=other) | 1 | 8 | 64 |" in table and "k - 1 tokens" in table
+    assert "of the grid. The reference is the retrieval gain" in table  # the definition keeps its capitals
 
 
 @pytest.mark.slow
@@ -584,14 +618,51 @@ def test_entries_written_before_the_matched_control_load_without_a_retrieval_gai
 
 
 def test_a_stored_entry_of_the_previous_format_loads() -> None:
-    """A copy probe entry as earlier versions wrote it into results.json (a cpu_quick run in docs/)."""
+    """A copy probe entry as earlier versions wrote it into results.json (a cpu_quick run in docs/):
+    its sensitivity, stored as ``gain``, reads back as ``sensitivity``."""
     import json
 
     from posbench.evaluation.probes.copy import entry_reach, has_matched
     from posbench.report.probes import copy_markdown
+    from posbench.runs.results import read_results
 
     stored = Path(__file__).resolve().parents[3] / "docs" / "cpu_quick" / "runs" / "rope-s0" / "results.json"
-    (entry,) = [e for e in json.loads(stored.read_text())["probes"] if e.get("extension", "none") == "none"]
+    (raw,) = [e for e in json.loads(stored.read_text())["probes"] if e.get("extension", "none") == "none"]
+    (entry,) = [e for e in read_results(stored)["probes"] if e.get("extension", "none") == "none"]
+    assert "gain" in raw["cells"][0] and "sensitivity" not in raw["cells"][0]  # the file keeps the old name
+    assert [c["sensitivity"] for c in entry["cells"]] == [c["gain"] for c in raw["cells"]]
+    assert not any("gain" in c or "window_gains" in c for c in entry["cells"])
     assert not has_matched(entry) and entry["reach"]["random"] == 0  # its stored reach followed the old definition
     assert entry_reach(entry, "random") is None and "retrieval" not in " ".join(probe_summary([entry]))
     assert NO_MATCHED in copy_markdown({"rope": [entry]})
+
+
+def test_an_old_record_with_gain_reads_and_reports_as_sensitivity(tmp_path: Path) -> None:
+    """results.json written before the rename (the sensitivity under ``gain``, ``interval``,
+    ``gain_se``, ``window_gains``) loads through the one read path, and its numbers reach the
+    tables and the tracker summary unchanged; a record in the new names is left as it is."""
+    from posbench.report.probes import cell_intervals, probe_groups
+    from posbench.runs.results import OLD_COPY_CELL_KEYS, read_results, upgrade_results, write_results
+    from posbench.runs.run_record import discover_runs
+    from unit.report.test_compare import make_run
+
+    old = fake_probe_entry(1.5)
+    for c in old["cells"]:
+        for new_key, old_key in {v: k for k, v in OLD_COPY_CELL_KEYS.items()}.items():
+            if new_key in c:
+                c[old_key] = c.pop(new_key)
+        c["gain_se"] = 0.05
+    assert "gain" in old["cells"][0] and "sensitivity" not in old["cells"][0]
+    results = make_run(tmp_path / "s" / "rope-0", "rope", 0)
+    passkey = [{"probe": "passkey", "cells": [{"gain": 2.0}]}]
+    write_results(tmp_path / "s" / "rope-0", {**results, "probes": [old], "passkey": passkey})
+    read = read_results(tmp_path / "s" / "rope-0")
+    cell = read["probes"][0]["cells"][0]
+    assert (cell["sensitivity"], cell["sensitivity_interval"], cell["sensitivity_se"]) == (1.5, [1.4, 1.6], 0.05)
+    assert cell["window_sensitivities"] == [1.5] * 64 and not {"gain", "interval", "gain_se", "window_gains"} & set(cell)
+    assert read["passkey"] == passkey  # the passkey probe's gain is a gain: untouched
+    assert probe_summary(read["probes"])["probe/copy/random/past/sensitivity_d300"] == 1.5
+    (entries,) = probe_groups(discover_runs([tmp_path / "s"])[0]).values()
+    assert cell_intervals(entries, "sensitivity")[("random", "inside", 8)].mean == 1.5
+    new = {"probes": [fake_probe_entry(0.5)]}
+    assert upgrade_results(json.loads(json.dumps(new))) == new

@@ -135,7 +135,7 @@ def test_a_single_seed_gets_a_bootstrap_over_sequences_and_pairs_no_verdict(tmp_
     assert pair["kind"] == "1 seed" and float(pair["difference"]) == pytest.approx(a - b)
     assert (pair["low"], pair["high"], pair["distinguishable"], pair["seeds"]) == ("", "", "", "0")
     row = next(line for line in (out / "paired.md").read_text().splitlines() if line.startswith("| band:256-512"))
-    assert "(1 seed)" in row and "distinguishable" not in row and "none: 1 seed" in row
+    assert "(1 seed)" in row and "distinguishable" not in row and "one seed: no interval" in row
 
 
 def test_a_single_seed_is_widened_by_the_seed_spread_of_the_others(three_seeds: Path, tmp_path: Path) -> None:

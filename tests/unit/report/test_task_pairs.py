@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from posbench.evaluation.tasks import learnt_at_c, learnt_on_test
 from posbench.report.task_pairs import task_pairs, task_pairs_markdown
-from posbench.report.tasks import task_tables
+from posbench.report.tasks import tables_markdown, task_tables
 from posbench.runs.run_record import RunRecord
 
 C = 64
@@ -56,7 +57,8 @@ def test_a_clear_difference_is_called(tmp_path):
     runs = [run(tmp_path, "a", s, {64: 1.0, 256: 0.9 + 0.01 * s}) for s in range(3)]
     runs += [run(tmp_path, "b", s, {64: 1.0, 256: 0.5 + 0.01 * s}) for s in range(3)]
     (row,) = [r for r in task_pairs(task_tables(runs)) if r.where == "16x16"]
-    assert row.verdict == "A above B" and row.difference.mean == pytest.approx(0.4)
+    assert row.verdict == "A gains on B past C" and row.difference.mean == pytest.approx(0.4)
+    assert row.change.mean == pytest.approx(0.4)  # both at 1.0 at C: the whole gap opened past C
 
 
 def test_flipflop_and_copy_are_paired_on_their_length_true_tests_too(tmp_path):
@@ -77,5 +79,79 @@ def test_flipflop_and_copy_are_paired_on_their_length_true_tests_too(tmp_path):
         runs = [task_run(task, tests, m, s, v + 0.01 * s) for m, v in (("alibi", 0.9), ("rope", 0.6)) for s in range(3)]
         rows = [r for r in task_pairs(task_tables(runs)) if r.where.endswith("L=128 (2C)")]
         assert [r.where for r in rows] == ["L=128 (2C)"] + [f"{t} L=128 (2C)" for t in tests[1:]]
-        assert all((r.a, r.b, r.verdict) == ("rope", "alibi", "A below B") for r in rows)  # the listing order
-        assert all(r.difference.mean == pytest.approx(-0.3) for r in rows)
+        assert all((r.a, r.b, r.verdict) == ("rope", "alibi", "A falls behind B past C") for r in rows)  # listing order
+        assert all(r.difference.mean == pytest.approx(-0.3) and r.change.mean == pytest.approx(-0.3) for r in rows)
+
+
+def copy_run(tmp_path, method: str, seed: int, standard: dict[int, float], shifted: dict[int, float]) -> RunRecord:
+    """A copy run with the standard and shifted tests at the given accuracies by length; its
+    recorded verdict reads the standard test, as training writes it."""
+    entries = [{"split": "test", "length": length, "extension": "none", "answers": 10, "test_set": test,
+                "accuracy": {"mean": value, "low": value, "high": value, "n": 10, "kind": "bootstrap",
+                             "half_width": 0.0}, "by_position": {}, "baselines": {"chance": 1 / 16}}
+               for test, values in (("standard", standard), ("shifted", shifted)) for length, value in values.items()]
+    task = {"name": "copy", "options": {"seed": 0, "learnt_at_c": 0.9}, "metrics": ["accuracy"], "chance": 1 / 16,
+            "entries": entries}
+    task["learnt_at_c"] = learnt_at_c(task, C)
+    return RunRecord(tmp_path / f"{method}-s{seed}", {"method": method, "seed": seed, "train_context": C, "eval": [],
+                                                      "train": {"steps": 600}, "task": task})
+
+
+def test_each_test_set_is_gated_on_its_own_accuracy_at_c(tmp_path):
+    """learned copies the standard test at C but not the shifted one (0.2 at C): its gap to alibi
+    on the shifted test is there at C already, so it makes no claim past C there. The old gate
+    read the standard test for every test set and called the gap at 2C an effect past C."""
+    runs = [copy_run(tmp_path, "alibi", s, {C: 1.0, 2 * C: 0.9}, {C: 0.95, 2 * C: 0.9 - 0.01 * s}) for s in range(3)]
+    runs += [copy_run(tmp_path, "learned", s, {C: 0.99, 2 * C: 0.5}, {C: 0.2, 2 * C: 0.15 + 0.01 * s})
+             for s in range(3)]
+    assert all(r.results["task"]["learnt_at_c"]["learnt"] for r in runs)  # the standard test's verdict
+    assert learnt_on_test(runs[3].results["task"], C, "shifted") == {
+        "test_set": "shifted", "length": C, "metric": "accuracy", "threshold": 0.9, "value": 0.2, "learnt": False}
+    assert learnt_on_test(runs[0].results["task"], C, "shifted")["learnt"]
+    table = task_tables(runs)[0]
+    assert [r.seed for r in table.learnt("learned")] == [0, 1, 2]  # the reference (standard) test
+    assert table.learnt("learned", "shifted") == [] and len(table.not_learnt("learned", "shifted")) == 3
+    rows = task_pairs([table])
+    assert [r.where for r in rows if r.where.startswith("shifted")] == []  # no common seed learnt on shifted
+    (standard,) = [r for r in rows if r.where == "L=128 (2C)"]
+    assert (standard.a, standard.b) == ("learned", "alibi") and standard.difference.mean == pytest.approx(0.5 - 0.9)
+    text = tables_markdown([table])
+    shifted = text[text.index("### test set `shifted`"):]
+    assert "| learned | 0 | - | - | - |" in shifted and "s0 (0.200 < 0.9)" in shifted
+    assert "| alibi | 3 | 0.950 ± 0.000 |" in shifted
+
+
+def test_the_change_from_c_is_a_paired_difference_in_differences(tmp_path):
+    """A gap that is there at C and stays past C is a difference at every length but no change
+    from C: the past-C verdict reads the change."""
+    at_c = {0: (0.95, 0.85), 1: (0.96, 0.84), 2: (0.97, 0.89)}  # seed -> (A, B) at C: A - B 0.10, 0.12, 0.08
+    at_2c = {0: (0.90, 0.79), 1: (0.91, 0.79), 2: (0.92, 0.83)}  # A - B 0.11, 0.12, 0.09
+    runs = [run(tmp_path, "a", s, {C: at_c[s][0], 4 * C: at_2c[s][0]}) for s in range(3)]
+    runs += [run(tmp_path, "b", s, {C: at_c[s][1], 4 * C: at_2c[s][1]}) for s in range(3)]
+    for r in runs:  # the grid fixture records no test set: learnt at C is read from its entries
+        r.results["task"]["learnt_at_c"] = {"learnt": True, "value": 1.0, "threshold": 0.8}
+    rows = task_pairs(task_tables(runs))
+    (at, past) = [r for r in rows if r.where in ("8x8", "16x16")]
+    assert not at.past and at.change is None and at.verdict == "A above B"
+    diffs = [0.11 - 0.10, 0.12 - 0.12, 0.09 - 0.08]
+    mean = sum(diffs) / 3
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 2)
+    half = 4.302652729911275 * sd / math.sqrt(3)  # t(0.975, 2 df)
+    assert past.difference.low > 0  # A - B at 4C alone looks like an effect past C
+    assert past.change.mean == pytest.approx(mean)
+    assert (past.change.low, past.change.high) == pytest.approx((mean - half, mean + half))
+    assert past.verdict == "not distinguishable"  # the change from C contains 0
+    text = task_pairs_markdown(rows)
+    assert f"| 16x16 | a | b | +0.107 | [{past.difference.low:+.3f}, {past.difference.high:+.3f}] | +0.007 | " in text
+    assert "| 8x8 | a | b | +0.100 | [" in text and "|  |  | 0,1,2 | A above B |" in text
+
+
+def test_a_test_set_no_seed_learnt_says_so_in_its_panels(tmp_path):
+    from posbench.report.tasks import task_figure
+
+    runs = [copy_run(tmp_path, "alibi", s, {C: 1.0, 2 * C: 0.9}, {C: 0.5, 2 * C: 0.4}) for s in range(2)]
+    fig = task_figure(task_tables(runs)[0])
+    notes = [[t.get_text() for t in ax.texts] for ax in fig.axes]
+    assert notes == [[], ["no seed learnt this test set at C:\nno claim past C (tasks.md lists each seed)"]]
+    assert [len(ax.lines) > 2 for ax in fig.axes] == [True, False]  # the standard panel draws alibi
+    assert "alibi" in [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
