@@ -70,6 +70,12 @@ def _prepare(cfg: DictConfig) -> Any:
     return prepared
 
 
+def _export(cfg: DictConfig) -> Any:
+    from posbench.commands.export import export_run
+
+    return export_run(cfg)
+
+
 def _viz(cfg: DictConfig) -> Any:
     from posbench.viz.command import run_viz
 
@@ -93,6 +99,7 @@ COMMANDS: dict[str, tuple[Callable[[DictConfig], Any], str]] = {
     "eval": (_eval, "re-evaluate a finished run: run=<dir> [eval.lengths=[512,1024]] [data.path=...]"),
     "plot": (_plot, "comparison figures and tables from saved runs: runs=<dirs/globs> out=<dir>"),
     "bench": (_bench, "measure training/eval speed per method (tokens/s, MFU, memory)"),
+    "export": (_export, "a finished rope or nope run as a transformers model: run=<dir> out=<new folder>"),
     "viz": (_viz, "pictures of a method (method=<name>, no training) or a trained run/sweep (run=<dir>)"),
 }
 
