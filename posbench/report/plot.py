@@ -68,8 +68,9 @@ from posbench.report.curves import (  # noqa: F401  (the figures, importable fro
     training_extrapolation_figure,
     validation_subset,
 )
+from posbench.report.extension import run_extension_figures
 from posbench.report.figures import FORMATS, check_formats, line_styles, save  # noqa: F401
-from posbench.report.kinds import by_kind, kind_of, split_unscored
+from posbench.report.kinds import TextKind, by_kind, kind_of, split_unscored
 from posbench.runs.results import (
     RESULTS_FILE,
     RunRecord,
@@ -158,10 +159,10 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
         raise PosbenchError(f"run directory {run_dir} does not exist")
     out = RunDir(run_dir).figures_dir
     try:
-        run: RunRecord | None = RunRecord(path=run_dir, results=read_results(run_dir),
-                                          status=read_status(run_dir)).plain()
+        full: RunRecord | None = RunRecord(path=run_dir, results=read_results(run_dir), status=read_status(run_dir))
     except (OSError, ValueError):
-        run = None  # no (valid) results yet: plot what the metrics say
+        full = None  # no (valid) results yet: plot what the metrics say
+    run = None if full is None else full.plain()
     status = read_status(run_dir) or {}
     method = run.method if run else str(status.get("method") or run_dir.name)
     name = run.name if run else run_dir.name
@@ -169,6 +170,8 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
     written = save(train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
     if run is not None:
         written += kind_of(run).run_figures(run, out, formats, title=f"{name}: ")
+        if isinstance(kind_of(run), TextKind):  # and its extension curves, once posbench eval added them
+            written += run_extension_figures(full, out, formats)
     return written
 
 
