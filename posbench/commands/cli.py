@@ -76,6 +76,14 @@ def _export(cfg: DictConfig) -> Any:
     return export_run(cfg)
 
 
+def _runs(cfg: DictConfig) -> Any:
+    from posbench.runs.inventory import list_runs
+
+    listing = list_runs(cfg.dir)
+    print(listing.text(), end="")
+    return listing
+
+
 def _viz(cfg: DictConfig) -> Any:
     from posbench.viz.command import run_viz
 
@@ -100,6 +108,7 @@ COMMANDS: dict[str, tuple[Callable[[DictConfig], Any], str]] = {
     "plot": (_plot, "comparison figures and tables from saved runs: runs=<dirs/globs> out=<dir>"),
     "bench": (_bench, "measure training/eval speed per method (tokens/s, MFU, memory)"),
     "export": (_export, "a finished rope or nope run as a transformers model: run=<dir> out=<new folder>"),
+    "runs": (_runs, "the runs and sweeps under a folder and their state: posbench runs <folder>"),
     "viz": (_viz, "pictures of a method (method=<name>, no training) or a trained run/sweep (run=<dir>)"),
 }
 
@@ -117,6 +126,7 @@ def usage() -> str:
         "  posbench train -m method=nope,learned,sinusoidal,rope,alibi,t5,relative seed=0,1,2\n"
         "  posbench eval run=outputs/default/<date>/<time>_rope-s0 eval.lengths=[512,1024,2048]\n"
         "  posbench plot runs=outputs/default/sweeps/<date>_<time> out=figures\n"
+        "  posbench runs outputs   |   posbench train method=alibi --dry-run\n"
         "  posbench viz method=sinusoidal   |   posbench viz run=<run or sweep dir>\n"
         "Shell completion: eval \"$(posbench --shell-completion install=bash)\"\n"
     )
@@ -163,6 +173,35 @@ def _task(command: str) -> Callable[[DictConfig], Any]:
 
     task.__name__ = f"posbench_{command}"
     return task
+
+
+DRY_RUN = "--dry-run"
+
+
+def _dry_run(args: list[str]) -> None:
+    """``posbench train ... --dry-run``: the config composed and checked as Hydra's app would
+    (no app is started, so nothing is written), then :func:`posbench.train.dry_run.dry_run`."""
+    args = [a for a in args if a != DRY_RUN]
+    if "-m" in args or "--multirun" in args:
+        print(f"posbench train: error: {DRY_RUN} shows one run; leave out -m (and give one value per key)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    from posbench.train.dry_run import dry_run
+
+    args = _checked_command_line("train", args)
+    _, (cfg,) = check_command_line("train", args)
+    try:
+        dry_run(cfg)
+    except PosbenchError as err:
+        if _debug(cfg):
+            raise
+        print(f"posbench train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _folder_as_key(args: list[str]) -> list[str]:
+    """``posbench runs <folder>``: a bare folder is ``dir=<folder>`` (Hydra reads only key=value)."""
+    return [f"dir={a}" if "=" not in a and not a.startswith("-") else a for a in args]
 
 
 def _checked_command_line(command: str, args: list[str]) -> list[str]:
@@ -268,6 +307,10 @@ def main(argv: list[str] | None = None) -> None:
     # configs/hydra/launcher/joblib.yaml shadows the joblib plugin's schema on purpose (posbench's
     # launcher, same keys); Hydra would warn about that on every joblib sweep.
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
+    if command == "train" and DRY_RUN in argv[1:]:
+        return _dry_run(argv[1:])
+    if command == "runs":
+        argv = [command, *_folder_as_key(argv[1:])]
     args = _checked_command_line(command, argv[1:])
     # Hydra reads sys.argv; hide the subcommand from it and name the app after it.
     sys.argv = [f"posbench {command}", *args]
