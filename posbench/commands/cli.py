@@ -52,7 +52,7 @@ def _plot(cfg: DictConfig) -> Any:
         raise PosbenchError("posbench plot needs runs=<run or sweep dir, or glob>[,...]")
     check_output_dir(cfg.out, "out")
     return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info,
-                     variant=cfg.get("variant"))
+                     variant=cfg.get("variant"), methods=cfg.get("methods"))
 
 
 def _prepare(cfg: DictConfig) -> Any:

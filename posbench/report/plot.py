@@ -55,6 +55,7 @@ no global backend switch) and every file is written atomically.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -89,6 +90,7 @@ def plot_runs(
     formats: Sequence[str] = ("png",),
     log: Callable[[str], Any] = print,
     variant: str | None = None,
+    methods: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Build every comparison figure and the band tables from saved runs.
 
@@ -99,6 +101,8 @@ def plot_runs(
         log: called with one line per skipped run and notes, and a final line naming ``out_dir``.
         variant: plot each run's entries of this ``eval_variants`` label (``RunRecord.variant``)
             instead of its own; a run without it is refused in one line.
+        methods: draw only the runs of these methods (names or globs: ``[rope, alibi*]``); a name
+            that matches no run is refused in one line. None: every method.
 
     Returns:
         ``{"out_dir", "files", "runs", "methods": {method: n_runs}, "headline_band", "problems"}``
@@ -113,6 +117,7 @@ def plot_runs(
         patterns = [patterns]
     patterns = [str(p) for p in patterns]
     runs, problems = finished_runs(*discover_runs(patterns))  # failed / refused / no results: never in a table
+    runs = selected_methods(runs, methods, log)
     runs, unscored = split_unscored(runs)  # e.g. task runs with NaN accuracies
     problems = sorted(problems + unscored)
     for path, reason in problems:
@@ -173,6 +178,22 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
         if isinstance(kind_of(run), TextKind):  # and its extension curves, once posbench eval added them
             written += run_extension_figures(full, out, formats)
     return written
+
+
+def selected_methods(runs: list[RunRecord], methods: Sequence[str] | str | None,
+                     log: Callable[[str], Any]) -> list[RunRecord]:
+    """The runs whose method matches one of ``methods`` (names or globs); all when None or empty."""
+    if not methods:
+        return runs
+    patterns = [methods] if isinstance(methods, str) else [str(m) for m in methods]
+    present = sorted({r.method for r in runs})
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(m, p) for m in present)]
+    if unmatched:
+        raise PosbenchError(f"methods={','.join(unmatched)} matches no run here; the runs' methods are "
+                            f"{', '.join(present) or 'none'}")
+    kept = [r for r in runs if any(fnmatch.fnmatchcase(r.method, p) for p in patterns)]
+    log(f"methods={','.join(patterns)}: {len(kept)} of {len(runs)} runs")
+    return kept
 
 
 def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:
