@@ -181,7 +181,7 @@ DRY_RUN = "--dry-run"
 def _dry_run(args: list[str]) -> None:
     """``posbench train ... --dry-run``: the config composed and checked as Hydra's app would
     (no app is started, so nothing is written), then :func:`posbench.train.dry_run.dry_run`."""
-    args = [a for a in args if a != DRY_RUN]
+    args = hydra_arguments("train", args)
     if "-m" in args or "--multirun" in args:
         print(f"posbench train: error: {DRY_RUN} shows one run; leave out -m (and give one value per key)",
               file=sys.stderr)
@@ -199,9 +199,15 @@ def _dry_run(args: list[str]) -> None:
         raise SystemExit(2) from None
 
 
-def _folder_as_key(args: list[str]) -> list[str]:
-    """``posbench runs <folder>``: a bare folder is ``dir=<folder>`` (Hydra reads only key=value)."""
-    return [f"dir={a}" if "=" not in a and not a.startswith("-") else a for a in args]
+def hydra_arguments(command: str, args: list[str]) -> list[str]:
+    """The arguments of ``posbench <command>`` as Hydra reads them: ``train``'s ``--dry-run`` taken
+    out (the CLI handles it), ``runs``'s bare folder given as ``dir=<folder>`` (Hydra reads only
+    key=value)."""
+    if command == "train":
+        return [a for a in args if a != DRY_RUN]
+    if command == "runs":
+        return [f"dir={a}" if "=" not in a and not a.startswith("-") else a for a in args]
+    return args
 
 
 def _checked_command_line(command: str, args: list[str]) -> list[str]:
@@ -309,9 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
     if command == "train" and DRY_RUN in argv[1:]:
         return _dry_run(argv[1:])
-    if command == "runs":
-        argv = [command, *_folder_as_key(argv[1:])]
-    args = _checked_command_line(command, argv[1:])
+    args = _checked_command_line(command, hydra_arguments(command, argv[1:]))
     # Hydra reads sys.argv; hide the subcommand from it and name the app after it.
     sys.argv = [f"posbench {command}", *args]
     app = hydra.main(config_path=CONFIG_PATH, config_name=command, version_base="1.3")(_task(command))
