@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import assert_matches_reference
 from transformers import AutoModelForCausalLM
 
 import posbench
@@ -51,8 +50,7 @@ def test_export_loads_back_with_the_same_logits(method, options, shape, cls, tmp
     theirs, loaded_cls = exported_logits(model, tmp_path, idx)
     assert loaded_cls == cls
     assert ours.abs().max() > 1.0  # a non-trivial function
-    assert_matches_reference(theirs, ours, method=method, atol=2e-5, rtol=1e-4,
-                             reference=f"export = transformers {cls} from_pretrained logits (T=200)")
+    torch.testing.assert_close(theirs, ours, atol=2e-5, rtol=1e-4)  # fp32 rounding, past max_positions too
 
 
 def test_nope_export_has_no_rotation_on_any_layer():
