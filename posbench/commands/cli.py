@@ -188,12 +188,11 @@ def _dry_run(args: list[str]) -> None:
         raise SystemExit(2)
     from posbench.train.dry_run import dry_run
 
-    args = _checked_command_line("train", args)
-    _, (cfg,) = check_command_line("train", args)
     try:
+        _, (cfg,) = check_command_line("train", args)
         dry_run(cfg)
     except PosbenchError as err:
-        if _debug(cfg):
+        if "debug=true" in args or os.environ.get("POSBENCH_DEBUG", "") not in ("", "0"):
             raise
         print(f"posbench train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
