@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("evaluation",),
     ("report",),
     ("train",),
-    ("viz", "bench", "commands.eval", "commands.sweep"),
+    ("viz", "bench", "commands.eval", "commands.export", "commands.sweep"),
     ("commands.cli",),
 ]
 API = "__init__"  # posbench/__init__.py: the Python API

@@ -52,7 +52,7 @@ def _plot(cfg: DictConfig) -> Any:
         raise PosbenchError("posbench plot needs runs=<run or sweep dir, or glob>[,...]")
     check_output_dir(cfg.out, "out", writable=True)
     return plot_runs([str(r) for r in runs], cfg.out, formats=tuple(cfg.formats), log=logger.info,
-                     variant=cfg.get("variant"))
+                     variant=cfg.get("variant"), methods=cfg.get("methods"))
 
 
 def _prepare(cfg: DictConfig) -> Any:
@@ -68,6 +68,20 @@ def _prepare(cfg: DictConfig) -> Any:
     logger.info("prepared %s in %.1f s: %s (vocab %d)", prepared.dir, time.perf_counter() - start, counts,
                 prepared.vocab_size)
     return prepared
+
+
+def _export(cfg: DictConfig) -> Any:
+    from posbench.commands.export import export_run
+
+    return export_run(cfg)
+
+
+def _runs(cfg: DictConfig) -> Any:
+    from posbench.runs.inventory import list_runs
+
+    listing = list_runs(cfg.dir)
+    print(listing.text(), end="")
+    return listing
 
 
 def _viz(cfg: DictConfig) -> Any:
@@ -93,6 +107,8 @@ COMMANDS: dict[str, tuple[Callable[[DictConfig], Any], str]] = {
     "eval": (_eval, "re-evaluate a finished run: run=<dir> [eval.lengths=[512,1024]] [data.path=...]"),
     "plot": (_plot, "comparison figures and tables from saved runs: runs=<dirs/globs> out=<dir>"),
     "bench": (_bench, "measure training/eval speed per method (tokens/s, MFU, memory)"),
+    "export": (_export, "a finished rope or nope run as a transformers model: run=<dir> out=<new folder>"),
+    "runs": (_runs, "the runs and sweeps under a folder and their state: posbench runs <folder>"),
     "viz": (_viz, "pictures of a method (method=<name>, no training) or a trained run/sweep (run=<dir>)"),
 }
 
@@ -110,6 +126,7 @@ def usage() -> str:
         "  posbench train -m method=nope,learned,sinusoidal,rope,alibi,t5,relative seed=0,1,2\n"
         "  posbench eval run=outputs/default/<date>/<time>_rope-s0 eval.lengths=[512,1024,2048]\n"
         "  posbench plot runs=outputs/default/sweeps/<date>_<time> out=figures\n"
+        "  posbench runs outputs   |   posbench train method=alibi --dry-run\n"
         "  posbench viz method=sinusoidal   |   posbench viz run=<run or sweep dir>\n"
         "Shell completion: eval \"$(posbench --shell-completion install=bash)\"\n"
     )
@@ -156,6 +173,40 @@ def _task(command: str) -> Callable[[DictConfig], Any]:
 
     task.__name__ = f"posbench_{command}"
     return task
+
+
+DRY_RUN = "--dry-run"
+
+
+def _dry_run(args: list[str]) -> None:
+    """``posbench train ... --dry-run``: the config composed and checked as Hydra's app would
+    (no app is started, so nothing is written), then :func:`posbench.train.dry_run.dry_run`."""
+    args = hydra_arguments("train", args)
+    if "-m" in args or "--multirun" in args:
+        print(f"posbench train: error: {DRY_RUN} shows one run; leave out -m (and give one value per key)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    from posbench.train.dry_run import dry_run
+
+    try:
+        _, (cfg,) = check_command_line("train", args)
+        dry_run(cfg)
+    except PosbenchError as err:
+        if "debug=true" in args or os.environ.get("POSBENCH_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"posbench train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def hydra_arguments(command: str, args: list[str]) -> list[str]:
+    """The arguments of ``posbench <command>`` as Hydra reads them: ``train``'s ``--dry-run`` taken
+    out (the CLI handles it), ``runs``'s bare folder given as ``dir=<folder>`` (Hydra reads only
+    key=value)."""
+    if command == "train":
+        return [a for a in args if a != DRY_RUN]
+    if command == "runs":
+        return [f"dir={a}" if "=" not in a and not a.startswith("-") else a for a in args]
+    return args
 
 
 def _checked_command_line(command: str, args: list[str]) -> list[str]:
@@ -261,7 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     # configs/hydra/launcher/joblib.yaml shadows the joblib plugin's schema on purpose (posbench's
     # launcher, same keys); Hydra would warn about that on every joblib sweep.
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
-    args = _checked_command_line(command, argv[1:])
+    if command == "train" and DRY_RUN in argv[1:]:
+        return _dry_run(argv[1:])
+    args = _checked_command_line(command, hydra_arguments(command, argv[1:]))
     # Hydra reads sys.argv; hide the subcommand from it and name the app after it.
     sys.argv = [f"posbench {command}", *args]
     app = hydra.main(config_path=CONFIG_PATH, config_name=command, version_base="1.3")(_task(command))

@@ -18,7 +18,7 @@ from posbench.evaluation.probes import ProbeRun, configure_probes, merge_probe_r
 from posbench.evaluation.settings import EvalConfig
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.report.plot import write_run_figures
-from posbench.runs.entries import merge_eval_entries
+from posbench.runs.entries import entry_measurement, merge_eval_entries, plain_entries
 from posbench.runs.load import Run, load_run
 from posbench.runs.run_record import recorded_precision
 from posbench.runs.rundir import RunDir
@@ -105,9 +105,10 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     extensions = resolve_extensions(evaluation.extension, run.model.position, log=log)
     amp_dtype = autocast_dtype(eval_precision(cfg, run), device)
     precision = precision_name(amp_dtype)  # what it resolved to here (auto -> bf16 or fp32)
+    reuse = {} if replace or other_path else reusable_plain_entries(run, evaluation.split, precision)
     entries = [] if probes_only else evaluate_model(
         run.model, prepared.tokens(evaluation.split), dataclasses.replace(evaluation, extension=extensions),
-        train_context, device, log=log, autocast_dtype=amp_dtype)
+        train_context, device, log=log, autocast_dtype=amp_dtype, reuse=reuse)
     probes = saved_run_probes(run, prepared, evaluation, device, amp_dtype, log)  # {results key: entries}
     for entry in entries + [e for found in probes.values() for e in found]:
         entry["data"] = source
@@ -142,6 +143,19 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
             write_run_figures(run.path, log)
     log(f"updated {rundir.results_path}")
     return results
+
+
+def reusable_plain_entries(run: Run, split: str, precision: str) -> dict[int, dict[str, Any]]:
+    """The run's plain entries of ``split`` measured at this checkpoint in this precision, by
+    length: :func:`evaluate_model` reuses one measured on the same windows instead of measuring
+    the plain model again (an eval with an extension needs it only as the reference)."""
+    own = {"precision": recorded_precision(run.results or {}, run.config), "checkpoint_step": run.step}
+    found = {}
+    for entry in plain_entries((run.results or {}).get("eval", [])):
+        measured = entry_measurement(entry, own)
+        if entry["split"] == split and measured["precision"] == precision and measured["checkpoint_step"] == run.step:
+            found[int(entry["length"])] = entry
+    return found
 
 
 def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.device,

@@ -148,8 +148,10 @@ def sweep_summary(sweep_dir: str | os.PathLike, runs: Sequence[RunRecord], probl
 class ComparePlotsCallback(Callback):
     """Writes ``summary.md`` and ``comparison/`` into the sweep dir when a multirun ends."""
 
-    def __init__(self, formats: Sequence[str] = ("png",), out_subdir: str = "comparison", viz: bool = True) -> None:
+    def __init__(self, formats: Sequence[str] = ("png",), out_subdir: str = "comparison", viz: bool = True,
+                 methods: Sequence[str] | None = None) -> None:
         self.formats = tuple(formats)
+        self.methods = list(methods) if methods else None  # the comparison's methods (plot's methods=)
         self.out_subdir = out_subdir
         self.viz = viz  # also draw posbench viz's pictures and overview into <comparison>/viz
 
@@ -181,7 +183,7 @@ class ComparePlotsCallback(Callback):
             from posbench.report.plot import plot_runs  # here: a broken plot import must not fail the sweep
 
             out_dir = sweep_dir / self.out_subdir
-            plot_runs([str(sweep_dir)], out_dir=out_dir, formats=self.formats, log=log.debug)
+            plot_runs([str(sweep_dir)], out_dir=out_dir, formats=self.formats, log=log.debug, methods=self.methods)
             log.info("comparison plots for %d runs written to %s", len(runs), out_dir)
         except Exception as err:
             log.warning("comparison plots failed (the runs themselves are intact): %s", err)

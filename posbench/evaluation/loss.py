@@ -15,10 +15,12 @@ the band edges move with it (e.g. C = 128 gives "0-128", "128-256", "256-512", .
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -226,7 +228,8 @@ def _positive_int(name: str, value: Any) -> int:
 def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig, train_context: int,
                    device: str | torch.device, log: Callable[[str], Any] = print,
                    autocast_dtype: torch.dtype | None = None,
-                   effective_length_window: int = EFFECTIVE_LENGTH_WINDOW) -> list[LossEntry]:
+                   effective_length_window: int = EFFECTIVE_LENGTH_WINDOW,
+                   reuse: Mapping[int, LossEntry] | None = None) -> list[LossEntry]:
     """Evaluate ``model`` on ``tokens`` (the ``evaluation.split`` text) at every length of
     ``evaluation`` (its ``lengths``, ``num_sequences``, ``batch_size``, ``window_stride``,
     ``effective_length_eps``, ``extension`` (resolved names), ``extension_factor`` and the
@@ -249,6 +252,12 @@ def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig,
     it also holds ``windowed`` (the same summary for :func:`windowed_loss` with stride
     ``window_stride``, plus ``stride`` and ``seconds``) and ``cost`` (full minus windowed:
     ``loss_by_position``, ``bands``, ``sequence_bands``; positive when the long context hurts).
+
+    ``reuse``: plain entries already measured (``posbench eval`` passes the run's own), by length.
+    One measured on the very windows this evaluation scores (same count, checksum and stride)
+    stands in for the plain pass and the windowed pass at its length: no plain entry is returned
+    there, and the extensions' ``windowed`` and ``cost`` are taken from it (equal to the
+    recomputed ones to float rounding).
     """
     lengths = sorted({_positive_int("eval length", L) for L in evaluation.lengths})
     if not lengths:
@@ -278,8 +287,12 @@ def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig,
         # The like-for-like reference: the plain model reading at most C tokens. It is the same
         # for every extension (an extension changes how the model reads long contexts, not the
         # in-context truth it is compared with), so it runs once per length.
+        known = _reusable((reuse or {}).get(length), sequences, count, train_context, window_stride)
+        if known is not None:
+            log(f"eval {split} length {length}: the run's plain entry is reused (the same {count} windows; "
+                "eval.replace=true measures it again)")
         windowed = window_seconds = None
-        if length > train_context:
+        if length > train_context and known is None:
             started = time.perf_counter()
             past = windowed_loss(model, sequences, train_context, window_stride, batch_size, device,
                                  autocast_dtype=autocast_dtype).numpy()
@@ -287,6 +300,8 @@ def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig,
             windowed = past  # (N, L - C); targets inside the context are prepended per extension below
         plain_inside = None  # (N, C): the plain model's losses inside the context, from the none pass
         for extension in evaluation_order(evaluation.extension):  # none first: it is the reference
+            if extension == NONE and known is not None:
+                continue
             started = time.perf_counter()
             with extended(model, extension, train_context, length, extension_factor, extension_settings) as factor:
                 full = per_sequence_loss(model, sequences, batch_size, device, autocast_dtype=autocast_dtype).numpy()
@@ -296,7 +311,7 @@ def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig,
             entry = _entry(full, windowed, plain_inside, split=split, length=length, count=count, train_context=train_context,
                            sequences=sequences, seconds=seconds, window_stride=window_stride,
                            window_seconds=window_seconds, eps=evaluation.effective_length_eps,
-                           smooth=effective_length_window)
+                           smooth=effective_length_window, known=known)
             record_extension(entry, extension, factor, train_context, length, extension_settings)
             entries.append(entry)
             label = "" if extension == NONE else f" {extension}" + ("" if factor is None else f" (factor {factor:g})")
@@ -312,12 +327,14 @@ def evaluate_model(model: nn.Module, tokens: np.ndarray, evaluation: EvalConfig,
 
 def _entry(full: np.ndarray, past: np.ndarray | None, plain_inside: np.ndarray, *, split: str, length: int, count: int, train_context: int,
            sequences: Tensor, seconds: float, window_stride: int, window_seconds: float | None, eps: float,
-           smooth: int) -> LossEntry:
+           smooth: int, known: LossEntry | None = None) -> LossEntry:
     """One results.json ``eval`` entry from the full-context losses ``full`` (N, L) and the
     windowed losses of the targets past the context ``past`` (N, L - C), or None when L <= C.
 
     The windowed curve is the plain model's, also inside the context (``plain_inside``, (N, C)):
-    for a context extension, ``cost`` then includes what the extension costs inside C too."""
+    for a context extension, ``cost`` then includes what the extension costs inside C too.
+    ``known``: the plain entry of these windows, whose ``windowed`` part stands in for ``past``
+    and ``plain_inside`` (band and sequence means are linear, so the cost follows from it)."""
     summary = curve_summary(full, train_context)
     entry: LossEntry = {
         "split": split,
@@ -345,6 +362,30 @@ def _entry(full: np.ndarray, past: np.ndarray | None, plain_inside: np.ndarray, 
                          "sequence_bands": sequence_band_means(cost, train_context)}
         entry["effective_length"]["windowed"] = effective_length(full.mean(axis=0), windowed.mean(axis=0),
                                                                  train_context, eps, smooth)
+    elif known is not None and "windowed" in known:
+        entry["windowed"] = copy.deepcopy(known["windowed"])
+        curve = np.asarray(known["windowed"]["loss_by_position"], dtype=np.float64)  # (L,)
+        cost = full.mean(axis=0) - curve  # (L,)
+        ours = sequence_band_means(full, train_context)  # {band: [N]}
+        theirs = known["windowed"]["sequence_bands"]
+        entry["cost"] = {"loss_by_position": cost.tolist(), "bands": band_means(cost, train_context),
+                         "sequence_bands": {band: (np.asarray(ours[band]) - np.asarray(theirs[band])).tolist()
+                                            for band in ours}}
+        entry["effective_length"]["windowed"] = effective_length(full.mean(axis=0), curve, train_context, eps, smooth)
+    return entry
+
+
+def _reusable(entry: LossEntry | None, sequences: Tensor, count: int, train_context: int,
+              window_stride: int) -> LossEntry | None:
+    """``entry`` when it was measured on ``sequences`` (count and checksum) with this windowed
+    stride (lengths past C), else None."""
+    if entry is None or entry.get("num_sequences") != count:
+        return None
+    if entry.get("sequences_sha256") != sequences_fingerprint(sequences):
+        return None
+    length = int(sequences.shape[1]) - 1
+    if length > train_context and (entry.get("windowed") or {}).get("stride") != window_stride:
+        return None
     return entry
 
 

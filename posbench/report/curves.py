@@ -74,7 +74,7 @@ def train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], t
     for method, _label, metrics in series:
         train = [(r["tokens"], r["loss"]) for r in metrics if _is_num(r.get("tokens")) and _is_num(r.get("loss"))]
         val = [(r["tokens"], r["val_loss"]) for r in metrics if _is_num(r.get("tokens")) and _is_num(r.get("val_loss"))]
-        colour, marker = styles[method]["color"], styles[method]["marker"]
+        colour, marker, linestyle = styles[method]["color"], styles[method]["marker"], styles[method]["linestyle"]
         many = seeds_per_method[method] > 1
         if train:
             x, y = np.array(train, dtype=np.float64).T
@@ -85,7 +85,7 @@ def train_loss_figure(series: Sequence[tuple[str, str, list[dict[str, Any]]]], t
                 label = f"{method} ({seeds_per_method[method]} seeds)" if many else method
                 labelled.add(method)
             ax.plot(x, smooth, color=colour, alpha=0.7 if many else 1.0, linewidth=1.0 if many else 1.6, label=label,
-                    marker=marker, markevery=max(1, len(x) // 8), markersize=4)
+                    marker=marker, markevery=max(1, len(x) // 8), markersize=4, linestyle=linestyle)
             # Everything after the first 10% of logged steps stays visible (late divergence too).
             floor_candidates.append(float(np.nanmax(smooth[len(smooth) // 10 :])))
             values_all.extend(smooth[np.isfinite(smooth)])
@@ -159,7 +159,7 @@ def position_figure(curves: dict[str, list[np.ndarray]], contexts: Sequence[int]
     for label, arrays in curves.items():
         shown = (legend or {}).get(label) or _seeds_label(label, len(arrays))
         means[label] = _mean_with_band(ax, x, arrays, styles[label]["color"], shown, window,
-                                       marker=styles[label]["marker"])
+                                       linestyle=styles[label]["linestyle"], marker=styles[label]["marker"])
         if windowed and windowed.get(label):
             past = x >= context
             smooth = moving_average(np.vstack(windowed[label]).mean(axis=0), window)
@@ -212,7 +212,7 @@ def training_extrapolation_figure(series: dict[str, list[list[dict[str, Any]]]],
             tokens, points = sorted(points[0]), points[:1]
         arrays = [np.array([p[t] for t in tokens]) for p in points]
         _mean_with_band(ax, np.array(tokens, dtype=np.float64), arrays, styles[label]["color"],
-                        _seeds_label(label, len(arrays)))
+                        _seeds_label(label, len(arrays)), linestyle=styles[label]["linestyle"])
         ax.plot(tokens, np.vstack(arrays).mean(axis=0), styles[label]["marker"] or "o", color=styles[label]["color"],
                 markersize=3)
         drawn, counts = True, counts + [len(arrays)]

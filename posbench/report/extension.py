@@ -283,4 +283,13 @@ def plot_extensions(runs: Sequence[RunRecord], out: Path, formats: Sequence[str]
     return files + [out / "extensions.md", out / "extensions.csv"]
 
 
-__all__ = ["extension_matrix", "plot_extensions"]
+def run_extension_figures(run: RunRecord, out: Path, formats: Sequence[str]) -> list[Path]:
+    """One run's own figure of its extension curves (``extension_curves``, as in a comparison),
+    once ``posbench eval ... eval.extension=[...]`` has added them; nothing before."""
+    split = next((e["split"] for e in run.results["eval"] if entry_extension(e) != NONE), None)
+    if split is None:
+        return []
+    return save(_curves([run], run.method, split), out, "extension_curves", formats)
+
+
+__all__ = ["extension_matrix", "plot_extensions", "run_extension_figures"]

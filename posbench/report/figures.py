@@ -29,6 +29,8 @@ def check_formats(formats: Iterable[str]) -> list[str]:
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+LINESTYLES = ("-", "-.", ":", (0, (3, 1, 1, 1, 1, 1)))
+"""Line styles of the curves from 11 labels on (never ``--``: dashed marks the windowed curves)."""
 
 
 def palette() -> list[Any]:
@@ -38,12 +40,14 @@ def palette() -> list[Any]:
 
 
 def line_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``{label: {"color", "marker"}}`` for the curves of one figure, every label distinct.
+    """``{label: {"color", "marker", "linestyle"}}`` for the curves of one figure, every label distinct.
 
     A method keeps its registry index as its colour in every figure; other labels (variants,
     ``rope[steps=60]``) take the first colour no label of the figure uses. 20 colours in all;
-    from 11 labels on every curve also gets a marker (tab20's light partners resemble their
-    strong colours), chosen so that no two labels share both colour and marker.
+    from 11 labels on every curve also gets a marker and a line style (tab20's light partners
+    resemble their strong colours, so they are drawn dash-dotted; a colour used again, past 20
+    labels, takes the next style), chosen so that no two labels share colour and line style, nor
+    colour and marker. Up to 10 labels every line is solid.
     """
     known, colours = list(method_names()), palette()
     labels = list(dict.fromkeys(labels))
@@ -55,16 +59,21 @@ def line_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
         if label not in index:
             free = [i for i in range(len(colours)) if i not in index.values()]
             index[label] = free[0] if free else n % len(colours)
-    styles, used = {}, set()
+    styles, used, used_lines = {}, set(), set()
     for n, label in enumerate(labels):
-        marker = None
+        marker, linestyle = None, "-"
         if len(labels) > 10:
             m = n % len(MARKERS)
             while (index[label], m) in used and len(used) < len(colours) * len(MARKERS):
                 m = (m + 1) % len(MARKERS)
             used.add((index[label], m))
             marker = MARKERS[m]
-        styles[label] = {"color": colours[index[label]], "marker": marker}
+            k = 1 if index[label] >= 10 else 0  # the light partners: dash-dotted
+            while (index[label] % 10, k) in used_lines and len(used_lines) < 10 * len(LINESTYLES):
+                k = (k + 1) % len(LINESTYLES)
+            used_lines.add((index[label] % 10, k))
+            linestyle = LINESTYLES[k]
+        styles[label] = {"color": colours[index[label]], "marker": marker, "linestyle": linestyle}
     return styles
 
 
@@ -109,5 +118,5 @@ def no_data(fig: Figure, ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
-__all__ = ["FORMATS", "LEGEND_ONE_COLUMN", "MARKERS", "check_formats", "colour_of", "legend_outside", "line_styles", "new_figure",
+__all__ = ["FORMATS", "LEGEND_ONE_COLUMN", "LINESTYLES", "MARKERS", "check_formats", "colour_of", "legend_outside", "line_styles", "new_figure",
            "no_data", "palette", "save"]

@@ -55,6 +55,7 @@ no global backend switch) and every file is written atomically.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -68,8 +69,9 @@ from posbench.report.curves import (  # the figures, importable from here as bef
     training_extrapolation_figure,
     validation_subset,
 )
-from posbench.report.figures import FORMATS, check_formats, line_styles, save
-from posbench.report.kinds import by_kind, kind_of, split_unscored
+from posbench.report.extension import run_extension_figures
+from posbench.report.figures import FORMATS, check_formats, line_styles, save  # noqa: F401
+from posbench.report.kinds import TextKind, by_kind, kind_of, split_unscored
 from posbench.runs.results import RESULTS_FILE, read_results
 from posbench.runs.run_record import RunRecord, discover_runs, finished_runs, read_metrics
 from posbench.runs.rundir import RunDir
@@ -82,6 +84,7 @@ def plot_runs(
     formats: Sequence[str] = ("png",),
     log: Callable[[str], Any] = print,
     variant: str | None = None,
+    methods: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Build every comparison figure and the band tables from saved runs.
 
@@ -92,6 +95,8 @@ def plot_runs(
         log: called with one line per skipped run and notes, and a final line naming ``out_dir``.
         variant: plot each run's entries of this ``eval_variants`` label (``RunRecord.variant``)
             instead of its own; a run without it is refused in one line.
+        methods: draw only the runs of these methods (names or globs: ``[rope, alibi*]``); a name
+            that matches no run is refused in one line. None: every method.
 
     Returns:
         ``{"out_dir", "files", "runs", "methods": {method: n_runs}, "headline_band", "problems"}``
@@ -106,6 +111,7 @@ def plot_runs(
         patterns = [patterns]
     patterns = [str(p) for p in patterns]
     runs, problems = finished_runs(*discover_runs(patterns))  # failed / refused / no results: never in a table
+    runs = selected_methods(runs, methods, log)
     runs, unscored = split_unscored(runs)  # e.g. task runs with NaN accuracies
     problems = sorted(problems + unscored)
     for path, reason in problems:
@@ -152,10 +158,10 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
         raise PosbenchError(f"run directory {run_dir} does not exist")
     out = RunDir(run_dir).figures_dir
     try:
-        run: RunRecord | None = RunRecord(path=run_dir, results=read_results(run_dir),
-                                          status=read_status(run_dir)).plain()
+        full: RunRecord | None = RunRecord(path=run_dir, results=read_results(run_dir), status=read_status(run_dir))
     except (OSError, ValueError):
-        run = None  # no (valid) results yet: plot what the metrics say
+        full = None  # no (valid) results yet: plot what the metrics say
+    run = None if full is None else full.plain()
     status = read_status(run_dir) or {}
     method = run.method if run else str(status.get("method") or run_dir.name)
     name = run.name if run else run_dir.name
@@ -163,7 +169,25 @@ def plot_single_run(run_dir: str | os.PathLike, formats: Sequence[str] = ("png",
     written = save(train_loss_figure([(method, name, metrics)], f"Training loss: {name}"), out, "train_loss", formats)
     if run is not None:
         written += kind_of(run).run_figures(run, out, formats, title=f"{name}: ")
+        if isinstance(kind_of(run), TextKind):  # and its extension curves, once posbench eval added them
+            written += run_extension_figures(full, out, formats)
     return written
+
+
+def selected_methods(runs: list[RunRecord], methods: Sequence[str] | str | None,
+                     log: Callable[[str], Any]) -> list[RunRecord]:
+    """The runs whose method matches one of ``methods`` (names or globs); all when None or empty."""
+    if not methods:
+        return runs
+    patterns = [methods] if isinstance(methods, str) else [str(m) for m in methods]
+    present = sorted({r.method for r in runs})
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(m, p) for m in present)]
+    if unmatched:
+        raise PosbenchError(f"methods={','.join(unmatched)} matches no run here; the runs' methods are "
+                            f"{', '.join(present) or 'none'}")
+    kept = [r for r in runs if any(fnmatch.fnmatchcase(r.method, p) for p in patterns)]
+    log(f"methods={','.join(patterns)}: {len(kept)} of {len(runs)} runs")
+    return kept
 
 
 def write_run_figures(run_dir: Path, log: Callable[[str], None]) -> list[Path]:

@@ -26,6 +26,7 @@ import csv
 import io
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -51,6 +52,14 @@ def task_label(run: RunRecord) -> str:
     """``name`` plus the options that set its data (``flipflop {p_ignore: 0.8, ...}``)."""
     task = run.results["task"]
     return f"{task['name']} {json.dumps(task.get('options', {}), sort_keys=True)}"
+
+
+def task_title(table: TaskTable) -> str:
+    """A figure's title for a task: ``flipflop (p_ignore 0.8, seed 0)``, its options as settings
+    (unset ones left out), wrapped; not the JSON that keys the tables."""
+    options = json.loads(table.label.split(" ", 1)[1]) if " " in table.label else {}
+    shown = ", ".join(f"{k} {v}" for k, v in sorted(options.items()) if v is not None)
+    return "\n".join(textwrap.wrap(f"{table.name} ({shown})" if shown else table.name, 110))
 
 
 def test_set(entry: TaskEntry) -> str:
@@ -370,9 +379,24 @@ def _baseline_lines(ax, table: TaskTable, test: str) -> None:
                 label="window-C oracle")
 
 
+def _not_learnt_lines(ax, table: TaskTable, label: str, style: dict[str, Any], metric: str, test: str) -> None:
+    """Each seed of ``label`` that did not learn its task at C, drawn alone (thin, dotted, crosses)
+    and named with its accuracy at C against the gate, so that a run that did not learn still shows."""
+    for run in table.not_learnt(label, test):
+        points = [(L, e[metric]["mean"]) for L, e in sorted(plain_entries(run, metric, test).items())
+                  if (e.get(metric) or {}).get("mean") is not None]
+        if points:
+            verdict = gate(run, test)
+            value = f"no {verdict['test_set']} test at C" if verdict["value"] is None else f"{verdict['value']:.3f}"
+            ax.plot([table.x(L) for L, _ in points], [v for _, v in points], color=style["color"], linestyle=":",
+                    marker="x", markersize=5, linewidth=1.0, alpha=0.8,
+                    label=f"{label} s{run.seed}: not learnt at C ({value} < {verdict['threshold']:g})")
+
+
 def task_figure(table: TaskTable):
     """Accuracy (and exact match) against length per test set, one line per group over its
-    learnt seeds, 95 % interval bars, the baselines in grey."""
+    learnt seeds, 95 % interval bars, the baselines in grey; each seed that did not learn its
+    task at C drawn apart and marked so."""
     panels = [(test, metric) for test in table.tests for metric in table.metrics]
     fig = new_figure(5.0 * len(panels) + 3.0, 4.5)
     styles = line_styles(list(table.groups))
@@ -383,6 +407,7 @@ def task_figure(table: TaskTable):
                     transform=ax.transAxes, ha="center", va="center", fontsize=8)
         for label in table.groups:
             runs = table.learnt(label, test)
+            _not_learnt_lines(ax, table, label, styles[label], metric, test)
             points = [(L, interval(runs, metric, L, test=test)) for L in table.lengths] if runs else []
             points = [(L, v) for L, v in points if v is not None]
             if not points:
@@ -392,7 +417,7 @@ def task_figure(table: TaskTable):
             err = np.array([[v.mean - (v.low if v.low is not None else v.mean) for _, v in points],
                             [(v.high if v.high is not None else v.mean) - v.mean for _, v in points]])
             ax.errorbar(x, y, yerr=err, color=styles[label]["color"], marker=styles[label]["marker"] or "o",
-                        markersize=4, capsize=3, linewidth=1.3, label=label)
+                        markersize=4, capsize=3, linewidth=1.3, linestyle=styles[label]["linestyle"], label=label)
         if metric == "accuracy":
             _baseline_lines(ax, table, test)
         ax.axvline(table.x(table.context), color="black", linestyle=":", linewidth=1)
@@ -404,8 +429,8 @@ def task_figure(table: TaskTable):
         ax.set_ylabel(metric.replace("_", " "))
         ax.grid(alpha=0.3)
         ax.set_title(f"test set {test}: {metric} on answer tokens", fontsize=8)
-    fig.suptitle(f"{table.label}\non each test set the seeds that learnt it at C (tasks.md counts them), "
-                 "95 % intervals", fontsize=8)
+    fig.suptitle(f"{task_title(table)}\nlines: on each test set the seeds that learnt it at C, 95 % intervals; "
+                 "dotted with crosses: a seed that did not", fontsize=8)
     handles: dict[str, Any] = {}
     for ax in fig.axes:  # every group and baseline once (a test set no seed learnt draws no line of it)
         for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):

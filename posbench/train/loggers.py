@@ -137,6 +137,9 @@ class WandbLogger(RunLogger):
     - ``eval/<split>/<length>/loss`` plots against ``eval/position``: W&B's standard line panel
       overlays every run (group or colour by ``method`` tag), the key comparison of the benchmark;
     - ``eval/<split>/<length>/loss_by_position``: per-run custom line chart with its table;
+    - past the training context, the same for the like-for-like curve (``windowed_loss`` and
+      ``windowed_loss_by_position``: the targets read through windows of the training context)
+      and the cost by position (``cost`` and ``cost_by_position``: full minus windowed loss);
     - summary ``eval/<split>/<length>/band_<a>-<b>`` and ``headline/loss_256_512`` (for training
       context 256): columns of the runs table for sorting and bar charts;
     - entries evaluated under a context extension (``eval.extension``) get the same keys one
@@ -265,14 +268,26 @@ class WandbLogger(RunLogger):
             extension = entry_extension(entry)
             if extension != "none":  # one group per extension; the plain keys stay as they were
                 prefix += f"/{extension}"
-            losses = [_finite(x) for x in entry["loss_by_position"]]
-            table = wandb.Table(columns=["position", "loss"], data=[[p, v] for p, v in enumerate(losses)])
-            title = f"{entry['split']} loss by position (length {entry['length']}, trained at {train_context})"
-            title += "" if extension == "none" else f", {extension}"
-            run.log({f"{prefix}/loss_by_position": wandb.plot.line(table, "position", "loss", title=title)})
-            # summary="none": the last position's loss would be a misleading summary value.
-            run.define_metric(f"{prefix}/loss", step_metric="eval/position", summary="none")
-            curves[f"{prefix}/loss"] = losses
+            of = f"(length {entry['length']}, trained at {train_context}" + \
+                 ("" if extension == "none" else f", {extension}") + ")"
+            # The full-context curve, and past C the like-for-like (windowed) curve and the cost
+            # (full minus windowed) by position: each a table and chart, and a history curve.
+            for name, column, values, what in (
+                    ("loss", "loss", entry["loss_by_position"], "loss by position"),
+                    ("windowed_loss", "loss", (entry.get("windowed") or {}).get("loss_by_position"),
+                     "like-for-like loss by position (windows of the training context)"),
+                    ("cost", "cost", (entry.get("cost") or {}).get("loss_by_position"),
+                     "extrapolation cost by position (full minus windowed loss)")):
+                if values is None:
+                    continue
+                losses = [_finite(x) for x in values]
+                table = wandb.Table(columns=["position", column], data=[[p, v] for p, v in enumerate(losses)])
+                chart = "loss_by_position" if name == "loss" else f"{name}_by_position"
+                run.log({f"{prefix}/{chart}": wandb.plot.line(table, "position", column,
+                                                              title=f"{entry['split']} {what} {of}")})
+                # summary="none": the last position's value would be a misleading summary value.
+                run.define_metric(f"{prefix}/{name}", step_metric="eval/position", summary="none")
+                curves[f"{prefix}/{name}"] = losses
             for band, value in (entry.get("bands") or {}).items():
                 summary[f"{prefix}/band_{band}"] = _finite(value)
             # The like-for-like extrapolation cost (full minus windowed loss), bands past C only.

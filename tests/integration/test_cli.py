@@ -15,7 +15,7 @@ import posbench
 
 def test_help_lists_every_subcommand():
     out = posbench_cli("--help").stdout
-    for command in ("prepare", "train", "eval", "plot", "bench"):
+    for command in ("prepare", "train", "eval", "plot", "bench", "export", "runs"):
         assert f"  {command} " in out
 
 

@@ -72,8 +72,48 @@ def test_eval_takes_the_runs_own_settings_by_default(rope_run):
     run_eval(rope_run, log=lines.append)
     after = results_of(rope_run)
     assert after["eval"] == before["eval"] and "eval_variants" not in after
-    assert any("kept the run's validation length 64 extension none: measured on the same windows" in line
-               for line in lines)
+    assert any("validation length 64: the run's plain entry is reused (the same 4 windows" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_an_extension_reuses_the_runs_plain_entry_and_is_drawn(rope_run, monkeypatch):
+    """`posbench eval run=R eval.extension=[ntk]` on the run's own windows measures only ntk: the
+    plain pass and the windowed pass are not run again, the extension's windowed curve and cost come
+    from the run's plain entry (equal to a fresh measurement to rounding), and the run's figures
+    show the extension curves."""
+    import posbench.evaluation.loss as loss
+
+    before = results_of(rope_run)
+    passes = {"full": 0, "windowed": 0}
+
+    def counting(name: str, key: str):
+        real = getattr(loss, name)
+
+        def counted(*args, **kwargs):
+            passes[key] += 1
+            return real(*args, **kwargs)
+        return counted
+
+    for name, key in (("per_sequence_loss", "full"), ("windowed_loss", "windowed")):
+        monkeypatch.setattr(loss, name, counting(name, key))
+    run_eval(rope_run, "eval.extension=[none,ntk]")
+    assert passes == {"full": 1, "windowed": 0}  # ntk only: no plain pass, no windowed pass
+    reused = results_of(rope_run)
+    assert reused["eval"][0] == before["eval"][0]
+    ntk = reused["eval"][1]
+    assert ntk["extension"] == "ntk" and ntk["windowed"] == before["eval"][0]["windowed"]
+    assert (rope_run / "figures" / "extension_curves.png").is_file()
+
+    run_eval(rope_run, "eval.extension=[none,ntk]", "eval.replace=true")  # measured again, from scratch
+    assert passes == {"full": 3, "windowed": 1}
+    fresh = next(e for e in results_of(rope_run)["eval"] if e["extension"] == "ntk")
+    assert fresh["bands"] == ntk["bands"]
+    for band, value in fresh["cost"]["bands"].items():
+        assert ntk["cost"]["bands"][band] == pytest.approx(value, abs=1e-6)
+        np.testing.assert_allclose(ntk["cost"]["sequence_bands"][band], fresh["cost"]["sequence_bands"][band],
+                                   atol=1e-6)
+    np.testing.assert_allclose(ntk["cost"]["loss_by_position"], fresh["cost"]["loss_by_position"], atol=1e-5)
+    assert ntk["effective_length"] == fresh["effective_length"]
 
 
 @pytest.mark.slow

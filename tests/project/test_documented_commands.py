@@ -113,12 +113,13 @@ RUNNABLE = [(where, call) for where, call in COMMANDS if not call or call[0] != 
 @pytest.mark.parametrize("where, call", RUNNABLE, ids=[where for where, _ in RUNNABLE])
 def test_documented_command_composes(where, call):
     from posbench.commands.cli import COMMANDS as SUBCOMMANDS
+    from posbench.commands.cli import hydra_arguments
     from posbench.config import check_command_line
 
     assert call, f"{where}: `posbench` without a subcommand"
     command, *args = call
     assert command in SUBCOMMANDS, f"{where}: no subcommand {command!r}"
-    args = [_example(arg) for arg in args]
+    args = hydra_arguments(command, [_example(arg) for arg in args])  # as the CLI hands them to Hydra
     check_command_line(command, args)  # raises PosbenchError, naming the fix, where Hydra would fail
 
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 from model_checks import assert_matches_reference
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import posbench
 from posbench.config import load_group_option
 from posbench.core.errors import PosbenchError
+from posbench.model.hf_export import to_transformers
 from posbench.model.transformer import ModelConfig, Transformer
 
 ALL_METHODS = posbench.list_methods()
@@ -48,45 +49,12 @@ def tokens(B: int, T: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
 
 
 def llama_copy(model: Transformer, rope_theta: float) -> LlamaForCausalLM:
-    cfg = model.cfg
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.hidden_size,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_heads,
-        head_dim=cfg.head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        hidden_act="silu",
-        max_position_embeddings=4096,
-        attn_implementation="eager",
-    )
+    """The model's LlamaForCausalLM twin, by the export's weight mapping (posbench.model.hf_export)."""
+    hf = to_transformers(model, attn_implementation="eager")
+    assert isinstance(hf, LlamaForCausalLM)
     # transformers 5.x keeps theta in rope_parameters; make sure it took our value.
-    assert hf_cfg.rope_parameters["rope_type"] == "default"
-    assert hf_cfg.rope_parameters["rope_theta"] == rope_theta
-    hf = LlamaForCausalLM(hf_cfg).eval()
-    d = cfg.d_model
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.copy_(model.embed.weight)
-        hf.lm_head.weight.copy_(model.lm_head.weight)
-        hf.model.norm.weight.copy_(model.norm.weight)
-        for block, layer in zip(model.blocks, hf.model.layers, strict=True):
-            # "b t (three h d)": rows [0, d) are q, [d, 2d) k, [2d, 3d) v, each laid out (h d).
-            wq, wk, wv = block.attn.qkv.weight.split(d, dim=0)
-            layer.self_attn.q_proj.weight.copy_(wq)
-            layer.self_attn.k_proj.weight.copy_(wk)
-            layer.self_attn.v_proj.weight.copy_(wv)
-            layer.self_attn.o_proj.weight.copy_(block.attn.out.weight)
-            layer.mlp.gate_proj.weight.copy_(block.mlp.gate.weight)
-            layer.mlp.up_proj.weight.copy_(block.mlp.up.weight)
-            layer.mlp.down_proj.weight.copy_(block.mlp.down.weight)
-            layer.input_layernorm.weight.copy_(block.attn_norm.weight)
-            layer.post_attention_layernorm.weight.copy_(block.mlp_norm.weight)
+    assert hf.config.rope_parameters["rope_type"] == "default"
+    assert hf.config.rope_parameters["rope_theta"] == rope_theta
     # Same rotary frequencies: theta_i = base^(-2i/d_head).
     torch.testing.assert_close(hf.model.rotary_emb.inv_freq, model.position.inv_freq, rtol=1e-6, atol=0)
     n_hf = sum(p.numel() for p in hf.parameters())

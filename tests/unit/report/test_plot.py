@@ -257,7 +257,7 @@ def test_sixteen_plus_curves_get_distinct_styles_and_the_legend_is_outside() -> 
     assert len(set(colours)) == min(len(labels), 20)  # 20 qualitative colours, then markers
     assert len({(tuple(styles[l]["color"]), styles[l]["marker"]) for l in labels}) == len(labels)
     assert all(styles[l]["marker"] for l in labels)
-    assert line_styles(["rope", "alibi"])["rope"] == styles["rope"] | {"marker": None}  # a method keeps its colour
+    assert line_styles(["rope", "alibi"])["rope"] == styles["rope"] | {"marker": None, "linestyle": "-"}  # its colour
     curves = {label: [np.asarray(curve("rope", 0, 512)) + i * 0.01] for i, label in enumerate(labels)}
     fig = position_figure(curves, [256], 512, "many")
     ax = fig.axes[0]
@@ -294,3 +294,38 @@ def test_each_run_has_one_kind_selected_from_its_record(tmp_path) -> None:
     assert kept == [text] and dropped[0][0] == str(task.path) and "NaN" in dropped[0][1]
     other = RunRecord(path=tmp_path / "d", results={"kind": "not_here", "method": "rope", "eval": []})
     assert "kind 'not_here', which this posbench cannot report" in split_unscored([other])[1][0][1]
+
+
+def test_twenty_five_methods_differ_in_colour_family_and_line_style() -> None:
+    """25 curves (more than the 20 colours): no two share colour and line style, a colour and its
+    look-alike tab20 partner never share a line style, and the position figure draws them so."""
+    import posbench
+    from posbench.report.figures import LINESTYLES, palette
+    from posbench.report.plot import line_styles, position_figure
+
+    labels = (posbench.list_methods() + [f"variant{i}" for i in range(25)])[:25]
+    styles = line_styles(labels)
+    colours = [tuple(c) for c in palette()]
+    family = {label: colours.index(tuple(styles[label]["color"])) % 10 for label in labels}
+    assert len({(family[l], str(styles[l]["linestyle"])) for l in labels}) == 25
+    assert all(styles[l]["linestyle"] in LINESTYLES and styles[l]["linestyle"] != "--" for l in labels)
+    assert line_styles(labels[:10]) == {l: {**line_styles(labels[:10])[l], "linestyle": "-"} for l in labels[:10]}
+    curves = {label: [np.asarray(curve("rope", 0, 512)) + i * 0.01] for i, label in enumerate(labels)}
+    ax = position_figure(curves, [256], 512, "many").axes[0]
+    drawn = [line for line in ax.get_lines() if line.get_label() in labels]
+    assert len(drawn) == 25
+    assert len({(colours.index(tuple(line.get_color())) % 10, line.get_linestyle()) for line in drawn}) == 25
+
+
+def test_methods_filter_draws_only_the_named_methods(sweep: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    summary = plot_runs([sweep], tmp_path / "out", log=lines.append, methods=["rope", "al*"])
+    assert summary["methods"] == {"rope": 2, "alibi": 2}
+    assert "methods=rope,al*: 4 of 6 runs" in lines
+    bands = (tmp_path / "out" / "bands.md").read_text()
+    assert "| rope |" in bands and "| alibi |" in bands and "| nope |" not in bands
+    with pytest.raises(PosbenchError, match="methods=yarn matches no run here; the runs' methods are alibi, nope, rope"):
+        plot_runs([sweep], tmp_path / "out2", methods=["rope", "yarn"])
+    ComparePlotsCallback(methods=["nope"]).on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert "| nope |" in (sweep / "comparison" / "bands.md").read_text()
+    assert "| rope |" not in (sweep / "comparison" / "bands.md").read_text()

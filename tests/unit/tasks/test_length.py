@@ -20,7 +20,7 @@ from posbench.evaluation.settings import EvalConfig
 from posbench.evaluation.tasks import answer_details, evaluate_task, learnt_at_c
 from posbench.model.transformer import ModelConfig, build_model
 from posbench.report.plot import plot_runs
-from posbench.report.tasks import tables_csv, tables_markdown, task_tables
+from posbench.report.tasks import tables_csv, tables_markdown, task_figure, task_tables
 from posbench.runs.run_record import RunRecord
 from posbench.tasks import TEST, make_task
 from posbench.train.task_workload import TaskWorkload
@@ -273,6 +273,19 @@ def test_a_seed_not_learnt_at_c_is_never_averaged(tmp_path):
     assert {(r["seeds"], r["not_learnt"]) for r in overall} == {("2", "1")}
     assert [float(r["mean"]) for r in overall] == pytest.approx([0.995, 0.75])
     assert json.loads(overall[0]["baselines"]) == {"chance": 0.5, "previous_bit": 0.6, "window_C": 1.0}
+
+
+def test_a_run_that_did_not_learn_is_drawn_and_marked_under_a_readable_title(tmp_path):
+    """A method none of whose seeds learnt the task at C still shows in the figure, one marked
+    line per seed, and the title names the task's options as settings, not as JSON."""
+    runs = [fake_run(tmp_path, 0, {C: 1.0, 8 * C: 0.7}), fake_run(tmp_path, 0, {C: 0.706, 8 * C: 0.6}, method="nope")]
+    fig = task_figure(task_tables(runs)[0])
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    marked = lines["nope s0: not learnt at C (0.706 < 0.95)"]
+    assert list(marked.get_ydata()) == [0.706, 0.6] and marked.get_linestyle() == ":"
+    assert not any(label.startswith("rope s0: not learnt") for label in lines)
+    title = fig._suptitle.get_text()
+    assert title.startswith("flipflop (p_ignore 0.8, seed 0)\n") and "{" not in title
 
 
 def test_a_method_with_no_learnt_seed_has_no_average(tmp_path):

@@ -162,6 +162,30 @@ def test_offline_run_logs_everything(tmp_path):
 
 
 @pytest.mark.slow
+def test_windowed_and_cost_curves_are_tables_and_history_like_the_plain_curve(tmp_path):
+    """The like-for-like (windowed) curve and the cost by position of an entry past C are logged
+    as the plain curve is: a table with its line chart, and a history curve against
+    eval/position that W&B overlays across runs."""
+    entry = {**_entries()[0], "windowed": {"loss_by_position": [2.9] * 512, "bands": {"256-512": 2.9}},
+             "cost": {"loss_by_position": [0.0] * 256 + [0.25] * 256, "bands": {"256-512": 0.25}}}
+    logger = _make(tmp_path)
+    sync_dir = logger.sync_dir
+    logger.log_eval([entry], train_context=256)
+    assert logger._run.summary["eval/validation/512/cost_256-512"] == pytest.approx(0.25)
+    logger.finish()
+    data = next(sync_dir.glob("run-*.wandb")).read_bytes()
+    for needle in (b"eval/validation/512/windowed_loss", b"eval/validation/512/cost",
+                   b"eval/validation/512/windowed_loss_by_position", b"eval/validation/512/cost_by_position"):
+        assert needle in data, needle
+    tables = {json.dumps(json.loads(p.read_text())["columns"]): json.loads(p.read_text())
+              for p in (sync_dir / "files" / "media" / "table").rglob("*.table.json")}
+    assert set(tables) == {'["position", "loss"]', '["position", "cost"]'}
+    cost = tables['["position", "cost"]']["data"]
+    assert cost[300] == [300, 0.25] and len(cost) == 512
+    assert len(list((sync_dir / "files" / "media" / "table").rglob("*.table.json"))) == 3
+
+
+@pytest.mark.slow
 def test_two_runs_in_one_process(tmp_path):
     """Hydra's basic launcher runs multirun jobs sequentially in one process."""
     for seed in (0, 1):
