@@ -19,7 +19,6 @@ import copy
 import hashlib
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np

@@ -70,7 +70,7 @@ from posbench.report.curves import (  # the figures, importable from here as bef
     validation_subset,
 )
 from posbench.report.extension import run_extension_figures
-from posbench.report.figures import FORMATS, check_formats, line_styles, save  # noqa: F401
+from posbench.report.figures import FORMATS, check_formats, line_styles, save
 from posbench.report.kinds import TextKind, by_kind, kind_of, split_unscored
 from posbench.runs.results import RESULTS_FILE, read_results
 from posbench.runs.run_record import RunRecord, discover_runs, finished_runs, read_metrics

@@ -153,5 +153,8 @@ def test_a_test_set_no_seed_learnt_says_so_in_its_panels(tmp_path):
     fig = task_figure(task_tables(runs)[0])
     notes = [[t.get_text() for t in ax.texts] for ax in fig.axes]
     assert notes == [[], ["no seed learnt this test set at C:\nno claim past C (tasks.md lists each seed)"]]
-    assert [len(ax.lines) > 2 for ax in fig.axes] == [True, False]  # the standard panel draws alibi
+    assert [len(ax.lines) > 2 for ax in fig.axes] == [True, True]  # the standard panel draws alibi
+    # on the test set no seed learnt, each seed is drawn alone and marked, never as an average
+    seeds = [line.get_label() for line in fig.axes[1].get_lines() if line.get_label().startswith("alibi")]
+    assert seeds == ["alibi s0: not learnt at C (0.500 < 0.9)", "alibi s1: not learnt at C (0.500 < 0.9)"]
     assert "alibi" in [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
