@@ -1,0 +1,128 @@
+"""Evaluation-time rules of the streaming and long-context papers, registered with the others in
+:data:`posbench.model.extension.EXTENSIONS`:
+
+- ``streaming_llm``: StreamingLLM (Xiao et al. 2024, reference mit-han-lab/streaming-llm
+  ``kv_cache.py`` + ``pos_shift``): the cache keeps the first S tokens (attention sinks) and the
+  R most recent ones (the query included); keys are rotated at their index in the cache, so a
+  query past the first S + R tokens sits at S + R - 1, the recent keys keep their distance and
+  sink j is seen at distance S + R - 1 - j.
+- ``lm_infinite``: LM-Infinite (Han et al. 2024, reference Glaciohound/LM-Infinite
+  ``models/llama.py`` + ``lambda_attention.py``): the Λ-shaped mask (the first n_global tokens
+  and a local window of C) and distances capped at C: a global token beyond the window is seen
+  with the query rotated at C and the key unrotated.
+- ``longrope``: LongRoPE (Ding et al. 2024) as Phi-3 ships it: per-frequency rescale factors
+  from a static file (``short_factor`` for L <= C, ``long_factor`` past it) and the attention
+  factor sqrt(1 + ln s / ln C), from transformers' ``longrope`` rope type.
+
+In a full forward pass of L tokens (posbench evaluates whole sequences, no cache) the first two
+are a mask plus a remapping of the far keys (:class:`~posbench.model.extended_position.RelativeRemap`),
+so they run on every backend like ReRoPE and Self-Extend (and cost what they cost:
+docs/context-extension.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from posbench.core.errors import PosbenchError
+from posbench.evaluation.settings import LMInfiniteConfig, LongRoPEConfig, StreamingLLMConfig
+from posbench.methods.base import PositionMethod
+from posbench.model.extended_position import ExtendedPosition, RelativeRemap
+
+if TYPE_CHECKING:
+    from posbench.model.extension import Setting
+
+
+# ----------------------------------------------------------------------------- StreamingLLM
+
+
+def streaming_llm_options(setting: Setting) -> dict[str, Any]:
+    opts = setting.options.get("streaming_llm") or StreamingLLMConfig()
+    window = opts.window if opts.window is not None else max(1, setting.train_context - opts.sinks)
+    return {"sinks": opts.sinks, "window": window}
+
+
+def streaming_llm(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    o = streaming_llm_options(setting)
+    S, R = o["sinks"], o["window"]
+    if setting.length <= S + R:  # the cache never evicts: the plain model
+        return None
+    # The query at n sits at min(n, S + R - 1) in the cache; a key at distance >= R from it is a
+    # sink (the others are evicted, masked), at its own index j.
+    last = S + R - 1
+    return ExtendedPosition(method, window=R, sinks=S, remap=RelativeRemap(
+        R, lambda pos: pos.clamp(max=last).double(), lambda pos: pos.double()))
+
+
+# ----------------------------------------------------------------------------- LM-Infinite
+
+
+def lm_infinite_options(setting: Setting) -> dict[str, Any]:
+    opts = setting.options.get("lm_infinite") or LMInfiniteConfig()
+    window = opts.window if opts.window is not None else setting.train_context
+    return {"global_tokens": opts.global_tokens, "window": window}
+
+
+def lm_infinite(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    o = lm_infinite_options(setting)
+    G, W = o["global_tokens"], o["window"]
+    if setting.length <= W:  # every key within the local branch: the plain model
+        return None
+    # Beyond the local branch only the global tokens are visible, each at distance W: the
+    # reference's stationary query (rotated at the distance limit W) and unrotated key.
+    return ExtendedPosition(method, window=W, sinks=G, remap=RelativeRemap(
+        W, lambda pos: torch.full_like(pos, W, dtype=torch.float64), lambda pos: torch.zeros_like(pos, dtype=torch.float64)))
+
+
+# ----------------------------------------------------------------------------- LongRoPE
+
+
+def read_factors(path: str, frequencies: int) -> tuple[list[float], list[float]]:
+    """``short_factor`` and ``long_factor`` of a LongRoPE factor file (top level, or under
+    ``rope_scaling`` / ``rope_parameters`` as in a model's config.json), ``frequencies`` numbers each."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise PosbenchError(f"eval.longrope.factors={path} is not a readable JSON file ({type(err).__name__})") from None
+    block = next((b for b in (data, data.get("rope_scaling"), data.get("rope_parameters"))
+                  if isinstance(b, dict) and "long_factor" in b and "short_factor" in b), None)
+    if block is None:
+        raise PosbenchError(f"eval.longrope.factors={path} has no short_factor and long_factor "
+                            "(at the top level, or under rope_scaling as in Phi-3's config.json)")
+    short, long = block["short_factor"], block["long_factor"]
+    for name, values in (("short_factor", short), ("long_factor", long)):
+        if not isinstance(values, list) or len(values) != frequencies or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+            got = len(values) if isinstance(values, list) else type(values).__name__
+            raise PosbenchError(f"eval.longrope.factors={path}: {name} must be {frequencies} positive numbers "
+                                f"(one per rotated frequency of this model), got {got}")
+    return [float(v) for v in short], [float(v) for v in long]
+
+
+def longrope_options(setting: Setting) -> dict[str, Any]:
+    opts = setting.options.get("longrope") or LongRoPEConfig()
+    return {"factors": opts.factors}
+
+
+def longrope(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from posbench.model.extension import hf_rope_config
+
+    path = longrope_options(setting)["factors"]
+    if path is None:
+        raise PosbenchError("eval.extension=longrope needs its factor file: eval.longrope.factors=<json with "
+                            "short_factor and long_factor, as in Phi-3's config.json>")
+    short, long = read_factors(path, method.rotary_dim // 2)  # type: ignore[attr-defined]
+    factor = float(setting.factor or 1.0)
+    if setting.length <= setting.train_context and factor == 1.0 and all(f == 1.0 for f in short):
+        return None  # short factors of 1, no attention factor: the plain model
+    params = {"factor": factor, "short_factor": short, "long_factor": long,
+              "original_max_position_embeddings": setting.train_context}
+    config = hf_rope_config(method, "longrope", setting.train_context, params)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=setting.length)
+    return ExtendedPosition(method, inv_freq=inv_freq.float(), qk_scale=float(attention_factor))
