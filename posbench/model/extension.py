@@ -86,8 +86,8 @@ from posbench.model.extended_position import ExtendedPosition, RelativeRemap
 from posbench.model.extension_rules import (
     lm_infinite,
     lm_infinite_options,
-    longrope,
     longrope_options,
+    longrope_params,
     streaming_llm,
     streaming_llm_options,
 )
@@ -270,6 +270,11 @@ def _self_extend(method: PositionMethod, setting: Setting) -> ExtendedPosition |
         lambda pos: torch.div(pos, G, rounding_mode="floor").double()))
 
 
+def _longrope(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    params = longrope_params(method, setting)  # the factor file's, s, C; None: the identity
+    return None if params is None else _from_transformers(method, "longrope", setting, seq_len=setting.length, **params)
+
+
 PER_AXIS = ("sequence", "grid")  # the rotary rules: on the grid, per axis
 
 EXTENSIONS: dict[str, Extension] = {
@@ -295,7 +300,7 @@ EXTENSIONS: dict[str, Extension] = {
         Extension("lm_infinite", (Rotary,), "LM-Infinite: 10 global tokens + a window of C, distances capped at C",
                   lm_infinite, default_factor=None, resolved_options=lm_infinite_options),
         Extension("longrope", (Rotary,), "LongRoPE: per-frequency factors from eval.longrope.factors",
-                  longrope, resolved_options=longrope_options, in_all=False),
+                  _longrope, resolved_options=longrope_options, in_all=False),
     )
 }
 

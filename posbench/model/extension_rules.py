@@ -17,14 +17,14 @@
 In a full forward pass of L tokens (posbench evaluates whole sequences, no cache) the first two
 are a mask plus a remapping of the far keys (:class:`~posbench.model.extended_position.RelativeRemap`),
 so they run on every backend like ReRoPE and Self-Extend (and cost what they cost:
-docs/context-extension.md).
+docs/context-extension.md). ``setting`` is a :class:`posbench.model.extension.Setting`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -33,20 +33,16 @@ from posbench.evaluation.settings import LMInfiniteConfig, LongRoPEConfig, Strea
 from posbench.methods.base import PositionMethod
 from posbench.model.extended_position import ExtendedPosition, RelativeRemap
 
-if TYPE_CHECKING:
-    from posbench.model.extension import Setting
-
-
 # ----------------------------------------------------------------------------- StreamingLLM
 
 
-def streaming_llm_options(setting: Setting) -> dict[str, Any]:
+def streaming_llm_options(setting: Any) -> dict[str, Any]:
     opts = setting.options.get("streaming_llm") or StreamingLLMConfig()
     window = opts.window if opts.window is not None else max(1, setting.train_context - opts.sinks)
     return {"sinks": opts.sinks, "window": window}
 
 
-def streaming_llm(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+def streaming_llm(method: PositionMethod, setting: Any) -> ExtendedPosition | None:
     o = streaming_llm_options(setting)
     S, R = o["sinks"], o["window"]
     if setting.length <= S + R:  # the cache never evicts: the plain model
@@ -61,13 +57,13 @@ def streaming_llm(method: PositionMethod, setting: Setting) -> ExtendedPosition 
 # ----------------------------------------------------------------------------- LM-Infinite
 
 
-def lm_infinite_options(setting: Setting) -> dict[str, Any]:
+def lm_infinite_options(setting: Any) -> dict[str, Any]:
     opts = setting.options.get("lm_infinite") or LMInfiniteConfig()
     window = opts.window if opts.window is not None else setting.train_context
     return {"global_tokens": opts.global_tokens, "window": window}
 
 
-def lm_infinite(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+def lm_infinite(method: PositionMethod, setting: Any) -> ExtendedPosition | None:
     o = lm_infinite_options(setting)
     G, W = o["global_tokens"], o["window"]
     if setting.length <= W:  # every key within the local branch: the plain model
@@ -103,16 +99,15 @@ def read_factors(path: str, frequencies: int) -> tuple[list[float], list[float]]
     return [float(v) for v in short], [float(v) for v in long]
 
 
-def longrope_options(setting: Setting) -> dict[str, Any]:
+def longrope_options(setting: Any) -> dict[str, Any]:
     opts = setting.options.get("longrope") or LongRoPEConfig()
     return {"factors": opts.factors}
 
 
-def longrope(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from posbench.model.extension import hf_rope_config
-
+def longrope_params(method: PositionMethod, setting: Any) -> dict[str, Any] | None:
+    """transformers' ``longrope`` parameters for ``method`` at ``setting`` (the factor file's short
+    and long factors, s = the setting's factor, C as the original context), or None where they are
+    the identity (L <= C, short factors of 1, s = 1)."""
     path = longrope_options(setting)["factors"]
     if path is None:
         raise PosbenchError("eval.extension=longrope needs its factor file: eval.longrope.factors=<json with "
@@ -120,9 +115,6 @@ def longrope(method: PositionMethod, setting: Setting) -> ExtendedPosition | Non
     short, long = read_factors(path, method.rotary_dim // 2)  # type: ignore[attr-defined]
     factor = float(setting.factor or 1.0)
     if setting.length <= setting.train_context and factor == 1.0 and all(f == 1.0 for f in short):
-        return None  # short factors of 1, no attention factor: the plain model
-    params = {"factor": factor, "short_factor": short, "long_factor": long,
-              "original_max_position_embeddings": setting.train_context}
-    config = hf_rope_config(method, "longrope", setting.train_context, params)
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=setting.length)
-    return ExtendedPosition(method, inv_freq=inv_freq.float(), qk_scale=float(attention_factor))
+        return None
+    return {"factor": factor, "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": setting.train_context}
