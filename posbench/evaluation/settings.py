@@ -88,6 +88,25 @@ class LMInfiniteConfig:
 
 
 @dataclass(frozen=True)
+class DualChunkConfig:
+    """Dual Chunk Attention at evaluation (eval.dual_chunk.*; posbench/model/extension_rules.py,
+    docs/context-extension.md)."""
+
+    chunk_size: int | None = None
+    """s: the largest position a query is given (the successive and inter-chunk queries sit at
+    most there). None = 3 C / 4 (the reference's pretraining_length * 3 // 4)."""
+    local_window: int | None = None
+    """w: chunks are s - w tokens long, so a query keeps exact distances to the last w keys of
+    the previous chunk. None = C / 16 (the reference's default)."""
+
+    def validate(self) -> None:
+        require_positive("eval.dual_chunk", chunk_size=self.chunk_size, local_window=self.local_window)
+        if self.chunk_size is not None and self.local_window is not None and self.local_window >= self.chunk_size:
+            raise PosbenchError(f"eval.dual_chunk.local_window ({self.local_window}) must be below "
+                                f"eval.dual_chunk.chunk_size ({self.chunk_size})")
+
+
+@dataclass(frozen=True)
 class LongRoPEConfig:
     """LongRoPE at evaluation (eval.longrope.*; posbench/model/extension_rules.py,
     docs/context-extension.md)."""
@@ -96,15 +115,7 @@ class LongRoPEConfig:
     """A JSON file of per-frequency rescale factors as Phi-3 ships them: ``short_factor`` and
     ``long_factor`` (R/2 numbers each, R the rotated channels), at the top level or under
     ``rope_scaling`` / ``rope_parameters`` (a model's config.json). Required by
-    eval.extension=longrope."""
-    factor: float | None = None
-    """The scale s of the attention factor sqrt(1 + ln s / ln C); None = the file's
-    max_position_embeddings / original_max_position_embeddings when it has both, else
-    eval.extension_factor or L / C."""
-
-    def validate(self) -> None:
-        if self.factor is not None and not self.factor >= 1:
-            raise PosbenchError(f"eval.longrope.factor must be >= 1 (or null), got {self.factor}")
+    eval.extension=longrope; its scale s is eval.extension_factor (default L / C)."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +211,7 @@ class EvalConfig:
     extension: list[str] = field(default_factory=lambda: ["none"])
     """Context extensions evaluated at every length, each its own results.json entry: none (the
     plain model), linear, ntk, dynamic_ntk, yarn, llama3, log_scaling, window, rerope,
-    self_extend, streaming_llm, lm_infinite, longrope (with eval.longrope.factors), or all
+    self_extend, streaming_llm, lm_infinite, dual_chunk, longrope (with eval.longrope.factors), or all
     (every one that applies to the method, longrope aside); docs/context-extension.md."""
     extension_factor: float | None = None
     """Scaling factor of the extensions; None = L / C at each evaluated length L (dynamic_ntk:
@@ -219,6 +230,8 @@ class EvalConfig:
     """Settings of the lm_infinite extension (eval.lm_infinite.*, the table below)."""
     longrope: LongRoPEConfig = field(default_factory=LongRoPEConfig)
     """Settings of the longrope extension (eval.longrope.*, the table below)."""
+    dual_chunk: DualChunkConfig = field(default_factory=DualChunkConfig)
+    """Settings of the dual_chunk extension (eval.dual_chunk.*, the table below)."""
     probes: list[str] = field(default_factory=list)
     """Zero-shot probes run after the loss curves, each under every extension: copy (a span
     repeated at distance d, scored against a control; docs/probes.md), passkey (a key asked for at
@@ -245,7 +258,7 @@ class EvalConfig:
     def extension_options(self) -> dict[str, Any]:
         """The settings of the extensions that take some, by extension name (validated)."""
         return {"rerope": self.rerope, "self_extend": self.self_extend, "streaming_llm": self.streaming_llm,
-                "lm_infinite": self.lm_infinite, "longrope": self.longrope}
+                "lm_infinite": self.lm_infinite, "longrope": self.longrope, "dual_chunk": self.dual_chunk}
 
     def check_lengths(self, train_context: int, need_headline: bool, grid: bool = False) -> None:
         """Refuse lengths below the training context (they have no band at all), and, with

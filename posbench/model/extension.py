@@ -43,8 +43,8 @@ default ``L / C``):
   ``floor(i / G) + W - W / G`` (query) and ``floor(j / G)`` (key), ``G`` = ``eval.self_extend.group``
   (default 8), so the two regions join at ``d = W``.
 
-- ``streaming_llm``, ``lm_infinite``, ``longrope``: StreamingLLM, LM-Infinite and LongRoPE
-  (:mod:`posbench.model.extension_rules`).
+- ``streaming_llm``, ``lm_infinite``, ``dual_chunk``, ``longrope``: StreamingLLM, LM-Infinite,
+  Dual Chunk Attention and LongRoPE (:mod:`posbench.model.extension_rules`).
 
 ReRoPE and Self-Extend (:class:`RelativeRemap`) compute two logit matrices, the plain one and one
 with the queries and keys transformed at the remapped positions, and merge them by the mask
@@ -84,6 +84,8 @@ from posbench.methods import list_methods, method_class
 from posbench.methods.base import InputTable, PositionMethod, Rotary, grid_side
 from posbench.model.extended_position import ExtendedPosition, RelativeRemap
 from posbench.model.extension_rules import (
+    dual_chunk,
+    dual_chunk_options,
     lm_infinite,
     lm_infinite_options,
     longrope_options,
@@ -299,6 +301,8 @@ EXTENSIONS: dict[str, Extension] = {
                   streaming_llm, default_factor=None, resolved_options=streaming_llm_options),
         Extension("lm_infinite", (Rotary,), "LM-Infinite: 10 global tokens + a window of C, distances capped at C",
                   lm_infinite, default_factor=None, resolved_options=lm_infinite_options),
+        Extension("dual_chunk", (Rotary,), "Dual Chunk Attention: intra/successive/inter chunk positions (3C/4, C/16)",
+                  dual_chunk, default_factor=None, resolved_options=dual_chunk_options),
         Extension("longrope", (Rotary,), "LongRoPE: per-frequency factors from eval.longrope.factors",
                   _longrope, resolved_options=longrope_options, in_all=False),
     )

@@ -179,7 +179,9 @@ def test_factor_one_leaves_the_loss_bitwise_unchanged(method):
         # length does not pass the context; those with a window of exact positions of their own
         # (rerope, self_extend) when it does not pass that window.
         by_length = ext.default_factor != "L/C"
-        limit = ((ext.resolved_options and ext.resolved_options(Setting(C, C, None))) or {}).get("window", C)
+        # (dual_chunk: while the length fits its first chunk, chunk_size - local_window.)
+        opts = (ext.resolved_options and ext.resolved_options(Setting(C, C, None))) or {}
+        limit = opts.get("window", opts.get("chunk_size", C) - opts.get("local_window", 0))
         short = tokens[:, : limit + 1]
         with extended(model, name, C, limit if by_length else 3 * C, 1.0):
             loss = _loss(model, short if by_length else tokens)

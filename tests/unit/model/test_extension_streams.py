@@ -1,9 +1,10 @@
-"""StreamingLLM, LM-Infinite and LongRoPE at evaluation (posbench/model/extension_rules.py)
-against their references: StreamingLLM and LM-Infinite against their papers' rules written here
-as a naive per-query loop (StreamingLLM: the reference's start + recent KV cache simulated token by
-token, keys rotated at their index in the cache; LM-Infinite: the Λ mask and the stationary query
-at the distance limit with unrotated global keys), LongRoPE against transformers' Phi-3 rotary
-embedding. Each reference test also runs a mutated implementation, which must fail it."""
+"""StreamingLLM, LM-Infinite, Dual Chunk Attention and LongRoPE at evaluation
+(posbench/model/extension_rules.py) against their references: StreamingLLM and LM-Infinite against
+their papers' rules written here as a naive per-query loop (StreamingLLM: the reference's start +
+recent KV cache simulated token by token, keys rotated at their index in the cache; LM-Infinite:
+the Λ mask and the stationary query at the distance limit with unrotated global keys), Dual Chunk
+Attention as the reference computes it (chunk by chunk, three attentions merged by their
+log-sum-exp), LongRoPE against transformers' Phi-3 rotary embedding. Each reference test also runs a mutated implementation, which must fail it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ import posbench
 from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import evaluate_model, per_position_loss
-from posbench.evaluation.settings import EvalConfig, LMInfiniteConfig, LongRoPEConfig, StreamingLLMConfig
+from posbench.evaluation.settings import (
+    DualChunkConfig,
+    EvalConfig,
+    LMInfiniteConfig,
+    LongRoPEConfig,
+    StreamingLLMConfig,
+)
 from posbench.methods import ModelDims, build_method
 from posbench.methods.base import dense_score
 from posbench.model import extension_rules
@@ -149,6 +156,70 @@ def test_lm_infinite_matches_the_reference_lambda_attention(global_tokens, windo
                              atol=2e-5, rtol=1e-5)
 
 
+def chunkllama_reference(q, k, v, chunk_size: int, local_window: int) -> torch.Tensor:
+    """ChunkLlama's forward without a cache: chunks of L = s - w queries; each attends to its own
+    chunk causally (query and keys at position % L), to the previous chunk with the query at
+    min(n % L + L, s), to every older key with the query at min(2L - 1, s); the parts' outputs
+    merged with weights exp(lse_i) / sum exp(lse). -> (B, H, T, D)."""
+    T = q.shape[-2]
+    L = chunk_size - local_window
+    pos = torch.arange(T)
+    keys = llama_rotate(k, pos % L)
+    q_intra = llama_rotate(q, pos % L)
+    q_succ = llama_rotate(q, (pos % L + L).clamp(max=chunk_size))
+    q_inter = llama_rotate(q, torch.full((T,), min(2 * L - 1, chunk_size)))
+
+    def attend(qs, ks, vs, causal):
+        logits = qs @ ks.transpose(-1, -2) / math.sqrt(D)
+        if causal:
+            logits = logits.masked_fill(torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        return logits.softmax(-1) @ vs, logits.logsumexp(-1)
+
+    outputs = []
+    for begin in range(0, T, L):
+        end = min(begin + L, T)
+        parts = [attend(q_intra[..., begin:end, :], keys[..., begin:end, :], v[..., begin:end, :], True)]
+        if begin >= L:
+            parts.append(attend(q_succ[..., begin:end, :], keys[..., begin - L:begin, :], v[..., begin - L:begin, :], False))
+        if begin >= 2 * L:
+            parts.append(attend(q_inter[..., begin:end, :], keys[..., :begin - L, :], v[..., :begin - L, :], False))
+        weights = torch.stack([lse for _, lse in parts]).softmax(0)  # exp(lse_i) / sum_i exp(lse_i)
+        outputs.append(sum(w[..., None] * out for w, (out, _) in zip(weights, parts)))
+    return torch.cat(outputs, dim=-2)
+
+
+DUAL_CHUNK_MUTATIONS = {
+    "successive queries not capped at s": lambda w, L, s: (w, w + L, torch.full_like(w, float(min(2 * L - 1, s)))),
+    "inter queries at the successive positions": lambda w, L, s: (w, (w + L).clamp(max=s), (w + L).clamp(max=s)),
+    "intra queries half a chunk off": lambda w, L, s: (w + L * 0.5, (w + L).clamp(max=s),
+                                                             torch.full_like(w, float(min(2 * L - 1, s)))),
+}
+
+
+@pytest.mark.parametrize("mutation", [None, *DUAL_CHUNK_MUTATIONS])
+@pytest.mark.parametrize("chunk_size,local_window", [(None, None), (20, 6)])
+def test_dual_chunk_matches_chunkllama(chunk_size, local_window, mutation, monkeypatch):
+    """Past C (T = 3C, five chunks at the defaults s = 48, w = 4): the attention output equals the
+    reference's three-part, log-sum-exp-merged attention."""
+    T = 3 * C
+    q, k = qk(T, seed=3)
+    v = torch.randn(2, 2, T, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    options = {"dual_chunk": DualChunkConfig(chunk_size=chunk_size, local_window=local_window)}
+    s, w = chunk_size or C * 3 // 4, local_window or C // 16
+    expected = chunkllama_reference(q, k, v, s, w)
+    if mutation is not None:
+        change = DUAL_CHUNK_MUTATIONS[mutation]
+        monkeypatch.setattr(extension_rules.DualChunk, "query_positions", lambda self, pos: change(
+            torch.remainder(pos, self.chunk_len).double(), self.chunk_len, self.chunk_size))
+    got = extended_probs("dual_chunk", T, q, k, options) @ v
+    if mutation is not None:
+        assert not torch.allclose(got, expected, atol=1e-4), mutation
+        return
+    assert_matches_reference(got, expected, method="dual_chunk (rope)",
+                             reference="HKUNLP/ChunkLlama chunkllama_attn_replace forward, lse merge",
+                             atol=2e-5, rtol=1e-5)
+
+
 def factor_file(tmp_path, frequencies=D // 2, seed=0, as_config=True) -> str:
     g = torch.Generator().manual_seed(seed)
     short = (1 + 0.2 * torch.rand(frequencies, generator=g)).tolist()
@@ -225,17 +296,19 @@ def test_identity_while_nothing_is_evicted_or_out_of_the_window():
     assert EXTENSIONS["streaming_llm"].install(m, Setting(C, C + 1, None)) is not None
     assert EXTENSIONS["lm_infinite"].install(m, Setting(C, C, None)) is None
     assert EXTENSIONS["lm_infinite"].install(m, Setting(C, C + 1, None)) is not None
+    assert EXTENSIONS["dual_chunk"].install(m, Setting(C, 44, None)) is None  # one chunk of 48 - 4
+    assert EXTENSIONS["dual_chunk"].install(m, Setting(C, 45, None)) is not None
 
 
 def test_menu_all_and_refusals():
     everything = resolve_extensions("all", "rope")
-    assert {"streaming_llm", "lm_infinite"} <= set(everything) and "longrope" not in everything
+    assert {"streaming_llm", "lm_infinite", "dual_chunk"} <= set(everything) and "longrope" not in everything
     assert resolve_extensions(["longrope"], "rope") == ["none", "longrope"]
     with pytest.raises(PosbenchError, match=r"^extension lm_infinite does not apply to method=alibi; it applies to rotary"):
         resolve_extensions(["lm_infinite"], "alibi")
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "lm_infinite"])
+@pytest.mark.parametrize("name", ["streaming_llm", "lm_infinite", "dual_chunk"])
 def test_model_causal_past_the_context_and_plain_before_the_first_eviction(name):
     torch.manual_seed(0)
     model = posbench.create_model("rope", flavour="tiny", vocab_size=64).eval()
@@ -244,13 +317,14 @@ def test_model_causal_past_the_context_and_plain_before_the_first_eviction(name)
         plain = model(idx)
     with extended(model, name, C, 4 * C):
         a = assert_causal_model(model, 4 * C, 200)
-    torch.testing.assert_close(a[0, :C], plain[0, :C], atol=1e-5, rtol=1e-5)  # every key still seen as trained
-    assert not torch.allclose(a[0, C:], plain[0, C:])
+    inside = {"dual_chunk": C * 3 // 4 - C // 16}.get(name, C)  # dual_chunk: its first chunk
+    torch.testing.assert_close(a[0, :inside], plain[0, :inside], atol=1e-5, rtol=1e-5)  # every key seen as trained
+    assert not torch.allclose(a[0, inside:], plain[0, inside:])
     assert not isinstance(model.position, ExtendedPosition)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["streaming_llm", "lm_infinite"])
+@pytest.mark.parametrize("name", ["streaming_llm", "lm_infinite", "dual_chunk"])
 def test_backends_agree(name):
     tokens = torch.randint(0, 64, (2, 2 * C + 1), generator=torch.Generator().manual_seed(0))
     losses = []
@@ -268,7 +342,9 @@ def test_settings_are_validated_and_recorded(tmp_path):
                                           "longrope": {"factors": factor_file(tmp_path)}})
     assert e.streaming_llm == StreamingLLMConfig(sinks=2) and e.lm_infinite == LMInfiniteConfig(window=32)
     for section, match in (({"streaming_llm": {"sinks": 0}}, "eval.streaming_llm.sinks must be positive"),
-                           ({"lm_infinite": {"window": 0}}, "eval.lm_infinite.window must be positive")):
+                           ({"lm_infinite": {"window": 0}}, "eval.lm_infinite.window must be positive"),
+                           ({"dual_chunk": {"chunk_size": 8, "local_window": 8}},
+                            r"eval.dual_chunk.local_window \(8\) must be below eval.dual_chunk.chunk_size \(8\)")):
         with pytest.raises(PosbenchError, match=match):
             from_section(EvalConfig, "eval", section)
     torch.manual_seed(0)
