@@ -72,10 +72,12 @@ class DroPE(OverBase):
         if why is not None:
             raise PosbenchError(f"method=drope cannot drop method.base={base}: {why}; choose a base that encodes "
                                 "positions, e.g. method.base=rope")
-        # Optimizer steps taken: a buffer, so checkpoints carry it (the python int mirrors it, so
-        # the forward reads no tensor and the step never waits on the device).
+        # Optimizer steps taken: a buffer, so checkpoints carry it. The python int mirrors it and
+        # the forward reads only the bool ``_dropped``: no tensor read (the step never waits on the
+        # device), and a compiled forward guards on a value that changes once (one recompile at
+        # the drop), not on the step count.
         self.register_buffer("steps_done", torch.zeros((), dtype=torch.int64))
-        self._steps = 0
+        self._steps, self._dropped = 0, False
         self.has_score_term = self.inner.has_score_term  # type: ignore[misc]  # none once dropped
         self.uses_positions = self.inner.uses_positions  # type: ignore[misc]
         self.register_load_state_dict_post_hook(lambda module, keys: module.sync_steps())
@@ -83,12 +85,13 @@ class DroPE(OverBase):
     def sync_steps(self) -> None:
         """Take the step count from ``steps_done`` (after a checkpoint is loaded)."""
         self._steps = int(self.steps_done)
+        self._dropped = self._steps > self.drop_step
         self.has_score_term = self.inner.has_score_term and not self.dropped  # type: ignore[misc]
 
     @property
     def dropped(self) -> bool:
         """Whether the position encoding is gone: more than ``drop_step`` steps taken."""
-        return self._steps > self.drop_step
+        return self._dropped
 
     @property
     def switched_at_step(self) -> int | None:
@@ -97,6 +100,7 @@ class DroPE(OverBase):
     def before_step(self) -> None:
         self._steps += 1
         self.steps_done.fill_(self._steps)
+        self._dropped = self._steps > self.drop_step
         self.has_score_term = self.inner.has_score_term and not self.dropped  # type: ignore[misc]
 
     # Every hook: the base's until the drop, then the identity.

@@ -39,7 +39,7 @@ def test_a_mutated_switch_fails():
     drope = model("drope", drop_step=1)
     for _ in range(2):
         drope.position.before_step()
-    drope.position._steps = 0  # the mutation: the count lost
+    drope.position._dropped = False  # the mutation: the switch lost
     with torch.no_grad():
         assert not torch.equal(drope(idx), model("nope")(idx))
 
