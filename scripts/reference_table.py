@@ -38,7 +38,7 @@ SECTIONS = {
                 "tests/unit/methods/test_fidelity.py::test_t5_default_bias_scale_is_sqrt_head_dim_as_x_transformers"],
     "schedules": ["tests/unit/methods/test_stickbreaking.py", "tests/unit/methods/test_layers.py"],
     "rotary": ["tests/unit/methods/test_pope.py", "tests/unit/methods/test_hope.py",
-               "tests/unit/model/test_extension_rerope.py"],
+               "tests/unit/model/test_extension_rerope.py", "tests/unit/model/test_extension_streams.py"],
     "grid": sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests/unit/methods").glob("test_grid*.py")),
 }
 

@@ -58,6 +58,67 @@ class SelfExtendConfig:
 
 
 @dataclass(frozen=True)
+class StreamingLLMConfig:
+    """StreamingLLM at evaluation (eval.streaming_llm.*; posbench/model/extension_rules.py,
+    docs/context-extension.md)."""
+
+    sinks: int = 4
+    """S: the first S tokens (attention sinks) stay in the cache (the reference's start_size 4)."""
+    window: int | None = None
+    """R: the recent tokens kept besides the sinks, the query included. None = C - S, so the
+    cache holds C tokens (the reference: recent_size 2000 at a 4096 context)."""
+
+    def validate(self) -> None:
+        require_positive("eval.streaming_llm", sinks=self.sinks, window=self.window)
+
+
+@dataclass(frozen=True)
+class LMInfiniteConfig:
+    """LM-Infinite at evaluation (eval.lm_infinite.*; posbench/model/extension_rules.py,
+    docs/context-extension.md)."""
+
+    global_tokens: int = 10
+    """n_global: the first tokens every query sees (the reference's global_branch, 10)."""
+    window: int | None = None
+    """The local branch and the distance limit: keys within it at their own distance, the global
+    tokens beyond it at this distance. None = C (the reference: the pretraining length)."""
+
+    def validate(self) -> None:
+        require_positive("eval.lm_infinite", global_tokens=self.global_tokens, window=self.window)
+
+
+@dataclass(frozen=True)
+class DualChunkConfig:
+    """Dual Chunk Attention at evaluation (eval.dual_chunk.*; posbench/model/extension_rules.py,
+    docs/context-extension.md)."""
+
+    chunk_size: int | None = None
+    """s: the largest position a query is given (the successive and inter-chunk queries sit at
+    most there). None = 3 C / 4 (the reference's pretraining_length * 3 // 4)."""
+    local_window: int | None = None
+    """w: chunks are s - w tokens long, so a query keeps exact distances to the last w keys of
+    the previous chunk. None = C / 16 (the reference's default)."""
+
+    def validate(self) -> None:
+        require_positive("eval.dual_chunk", chunk_size=self.chunk_size, local_window=self.local_window)
+        if self.chunk_size is not None and self.local_window is not None and self.local_window >= self.chunk_size:
+            raise PosbenchError(f"eval.dual_chunk.local_window ({self.local_window}) must be below "
+                                f"eval.dual_chunk.chunk_size ({self.chunk_size})")
+
+
+@dataclass(frozen=True)
+class LongRoPEConfig:
+    """LongRoPE at evaluation (eval.longrope.*; posbench/model/extension_rules.py,
+    docs/context-extension.md)."""
+
+    factors: str | None = None
+    """A JSON file of per-frequency rescale factors as Phi-3 ships them: ``short_factor`` and
+    ``long_factor`` (R/2 numbers each, R the rotated channels), at the top level or under
+    ``rope_scaling`` / ``rope_parameters`` (a model's config.json). Required by
+    eval.extension=longrope; its scale s is eval.extension_factor (default L / C)."""
+
+
+@dataclass(frozen=True)
 class CopyConfig:
     """The copy probe (eval.copy.*; posbench/evaluation/probes/copy.py, docs/probes.md)."""
 
@@ -150,7 +211,8 @@ class EvalConfig:
     extension: list[str] = field(default_factory=lambda: ["none"])
     """Context extensions evaluated at every length, each its own results.json entry: none (the
     plain model), linear, ntk, dynamic_ntk, yarn, llama3, log_scaling, window, rerope,
-    self_extend, or all (every one that applies to the method); docs/context-extension.md."""
+    self_extend, streaming_llm, lm_infinite, dual_chunk, longrope (with eval.longrope.factors), or all
+    (every one that applies to the method, longrope aside); docs/context-extension.md."""
     extension_factor: float | None = None
     """Scaling factor of the extensions; None = L / C at each evaluated length L (dynamic_ntk:
     transformers' factor, default 1)."""
@@ -162,6 +224,14 @@ class EvalConfig:
     """Settings of the rerope extension (eval.rerope.*, the table below)."""
     self_extend: SelfExtendConfig = field(default_factory=SelfExtendConfig)
     """Settings of the self_extend extension (eval.self_extend.*, the table below)."""
+    streaming_llm: StreamingLLMConfig = field(default_factory=StreamingLLMConfig)
+    """Settings of the streaming_llm extension (eval.streaming_llm.*, the table below)."""
+    lm_infinite: LMInfiniteConfig = field(default_factory=LMInfiniteConfig)
+    """Settings of the lm_infinite extension (eval.lm_infinite.*, the table below)."""
+    longrope: LongRoPEConfig = field(default_factory=LongRoPEConfig)
+    """Settings of the longrope extension (eval.longrope.*, the table below)."""
+    dual_chunk: DualChunkConfig = field(default_factory=DualChunkConfig)
+    """Settings of the dual_chunk extension (eval.dual_chunk.*, the table below)."""
     probes: list[str] = field(default_factory=list)
     """Zero-shot probes run after the loss curves, each under every extension: copy (a span
     repeated at distance d, scored against a control; docs/probes.md), passkey (a key asked for at
@@ -187,7 +257,8 @@ class EvalConfig:
 
     def extension_options(self) -> dict[str, Any]:
         """The settings of the extensions that take some, by extension name (validated)."""
-        return {"rerope": self.rerope, "self_extend": self.self_extend}
+        return {"rerope": self.rerope, "self_extend": self.self_extend, "streaming_llm": self.streaming_llm,
+                "lm_infinite": self.lm_infinite, "longrope": self.longrope, "dual_chunk": self.dual_chunk}
 
     def check_lengths(self, train_context: int, need_headline: bool, grid: bool = False) -> None:
         """Refuse lengths below the training context (they have no band at all), and, with

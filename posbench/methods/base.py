@@ -253,6 +253,13 @@ class PositionMethod(nn.Module):
         graph, on every method module of the model (kerple projects its parameters here, so a
         compiled forward mutates nothing). Default: nothing."""
 
+    @property
+    def switched_at_step(self) -> int | None:
+        """The training step after which the method stopped computing what it computed before
+        (drope: the step after which its position encoding is dropped), once it has; None for
+        every method that never switches. Recorded in results.json."""
+        return None
+
     def key_bias(self, x: Tensor, layer: int) -> Tensor | None:
         """A term ``(B, H, T)`` fp32 added to the logit of every query for key j, or None; ``x``
         is the attention input (B, T, d_model) after its RMSNorm. It needs no score function: the
@@ -313,6 +320,10 @@ class OverBase(PositionMethod):
 
     def backend_limits(self) -> dict[str, str]:
         return self.inner.backend_limits()
+
+    @property
+    def switched_at_step(self) -> int | None:
+        return self.inner.switched_at_step
 
     def rotate_qk(self, q: Tensor, k: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
         return self.inner.rotate_qk(q, k, positions, layer)

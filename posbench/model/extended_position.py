@@ -53,6 +53,8 @@ class ExtendedPosition(OverBase):
           sin by the rope attention factor, which is the same linear map).
       ``log_context``: logits of query position n scaled by ``max(1, log(n + 1) / log(C))``.
       ``window``: keys farther than ``window - 1`` positions behind the query are masked.
+      ``sinks``: with ``window``, keys at positions below ``sinks`` stay visible at every
+          distance (StreamingLLM's attention sinks, LM-Infinite's global tokens).
       ``remap``: keys at distance >= ``remap.window`` scored at remapped positions (ReRoPE,
           Self-Extend): :meth:`rotate_qk` also transforms q and k at those positions and keeps
           them for the :meth:`score_term` call of the same layer that follows it, whose term adds
@@ -61,7 +63,8 @@ class ExtendedPosition(OverBase):
 
     def __init__(self, inner: PositionMethod, *, inv_freq: Tensor | None = None, position_scale: float | None = None,
                  qk_scale: float = 1.0, log_context: int | None = None, window: int | None = None,
-                 trained_positions: int | None = None, remap: RelativeRemap | None = None) -> None:
+                 trained_positions: int | None = None, remap: RelativeRemap | None = None,
+                 sinks: int = 0) -> None:
         super().__init__(inner.dims)
         if inv_freq is not None:
             inner = inner.with_frequencies(inv_freq)  # type: ignore[attr-defined]  # a Rotary copy
@@ -72,6 +75,7 @@ class ExtendedPosition(OverBase):
         self.qk_scale = qk_scale
         self.log_context = log_context
         self.window = window
+        self.sinks = sinks
         self.remap = remap
         self.remapped: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # q, k, q at remap, k at remap
         # The window is a score term (-inf past the window), so every backend applies it unchanged.
@@ -139,7 +143,7 @@ class ExtendedPosition(OverBase):
         inner = self.inner.score_term(q, positions, layer, k=k, x=x) if self.inner.has_score_term else None
         if self.log_context is None and self.window is None and remapped is None:
             return inner
-        window = self.window
+        window, sinks = self.window, self.sinks
 
         def score(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             term = torch.zeros((), device=q_idx.device)
@@ -151,6 +155,8 @@ class ExtendedPosition(OverBase):
                 term = term + remapped[b, h, q_idx, kv_idx]
             if window is not None:
                 too_far = positions[q_idx] - positions[kv_idx] >= window
+                if sinks:
+                    too_far = too_far & (positions[kv_idx] >= sinks)
                 term = torch.where(too_far, float("-inf"), term)
             return term
 
@@ -158,5 +164,5 @@ class ExtendedPosition(OverBase):
 
     def extra_repr(self) -> str:
         return (f"inner={self.inner.name}, position_scale={self.position_scale}, qk_scale={self.qk_scale}, "
-                f"log_context={self.log_context}, window={self.window}, "
+                f"log_context={self.log_context}, window={self.window}, sinks={self.sinks}, "
                 f"remap_window={None if self.remap is None else self.remap.window}")

@@ -43,6 +43,9 @@ default ``L / C``):
   ``floor(i / G) + W - W / G`` (query) and ``floor(j / G)`` (key), ``G`` = ``eval.self_extend.group``
   (default 8), so the two regions join at ``d = W``.
 
+- ``streaming_llm``, ``lm_infinite``, ``dual_chunk``, ``longrope``: StreamingLLM, LM-Infinite,
+  Dual Chunk Attention and LongRoPE (:mod:`posbench.model.extension_rules`).
+
 ReRoPE and Self-Extend (:class:`RelativeRemap`) compute two logit matrices, the plain one and one
 with the queries and keys transformed at the remapped positions, and merge them by the mask
 ``d >= window``: densely, (B, H, T, T) fp32 per layer (the merge is a score term holding the
@@ -80,6 +83,16 @@ from posbench.evaluation.settings import ReRoPEConfig, SelfExtendConfig
 from posbench.methods import list_methods, method_class
 from posbench.methods.base import InputTable, PositionMethod, Rotary, grid_side
 from posbench.model.extended_position import ExtendedPosition, RelativeRemap
+from posbench.model.extension_rules import (
+    dual_chunk,
+    dual_chunk_options,
+    lm_infinite,
+    lm_infinite_options,
+    longrope_options,
+    longrope_params,
+    streaming_llm,
+    streaming_llm_options,
+)
 
 NONE = "none"
 CAPABILITY_NAMES = {Rotary: "rotary", InputTable: "input-table"}
@@ -115,6 +128,8 @@ class Extension:
     """Its own settings as used at a setting (defaults filled in), recorded in results."""
     layouts: tuple[str, ...] = ("sequence",)
     """The model layouts it applies to; on the grid a rule applies per axis (:func:`axis_lengths`)."""
+    in_all: bool = True
+    """Whether ``eval.extension=all`` includes it (False: a rule that needs a file of its own, longrope)."""
 
     def applies(self, method: str | PositionMethod | type[PositionMethod], layout: str = "sequence") -> bool:
         """Whether it applies to ``method`` (a name, a method or its class) on a model of ``layout``."""
@@ -257,6 +272,11 @@ def _self_extend(method: PositionMethod, setting: Setting) -> ExtendedPosition |
         lambda pos: torch.div(pos, G, rounding_mode="floor").double()))
 
 
+def _longrope(method: PositionMethod, setting: Setting) -> ExtendedPosition | None:
+    params = longrope_params(method, setting)  # the factor file's, s, C; None: the identity
+    return None if params is None else _from_transformers(method, "longrope", setting, seq_len=setting.length, **params)
+
+
 PER_AXIS = ("sequence", "grid")  # the rotary rules: on the grid, per axis
 
 EXTENSIONS: dict[str, Extension] = {
@@ -277,6 +297,14 @@ EXTENSIONS: dict[str, Extension] = {
                   _rerope, default_factor=None, resolved_options=_rerope_options),
         Extension("self_extend", (Rotary,), "Self-Extend: exact within W (C/4), grouped floor(n/G) past it (G=8)",
                   _self_extend, default_factor=None, resolved_options=_self_extend_options),
+        Extension("streaming_llm", (Rotary,), "StreamingLLM: 4 sinks + the last C - 4 keys, positions in the cache",
+                  streaming_llm, default_factor=None, resolved_options=streaming_llm_options),
+        Extension("lm_infinite", (Rotary,), "LM-Infinite: 10 global tokens + a window of C, distances capped at C",
+                  lm_infinite, default_factor=None, resolved_options=lm_infinite_options),
+        Extension("dual_chunk", (Rotary,), "Dual Chunk Attention: intra/successive/inter chunk positions (3C/4, C/16)",
+                  dual_chunk, default_factor=None, resolved_options=dual_chunk_options),
+        Extension("longrope", (Rotary,), "LongRoPE: per-frequency factors from eval.longrope.factors",
+                  _longrope, resolved_options=longrope_options, in_all=False),
     )
 }
 
@@ -307,7 +335,7 @@ def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMet
     refused: list[str] = []
     for name in names:
         if name == "all":
-            chosen += [e for e, ext in EXTENSIONS.items() if ext.applies(method, layout)]
+            chosen += [e for e, ext in EXTENSIONS.items() if ext.applies(method, layout) and ext.in_all]
         elif name == NONE:
             continue
         elif name not in EXTENSIONS:

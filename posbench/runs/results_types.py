@@ -187,6 +187,7 @@ class TrainRecord(TypedDict):
     world_size: NotRequired[int]  # processes that trained
     resumed_from_step: NotRequired[int | None]  # the step the last segment resumed from (None: none)
     validation_windows: NotRequired[dict[str, int]]  # in-training validation sets: metrics key -> windows
+    position_dropped_after_step: NotRequired[int]  # method=drope: steps trained with method.base before the drop
 
 
 class EvaluatedRun(TypedDict):

@@ -173,13 +173,15 @@ def test_factor_one_leaves_the_loss_bitwise_unchanged(method):
     tokens = torch.randint(0, 64, (2, 3 * C + 1))
     plain = _loss(model, tokens)
     for name, ext in EXTENSIONS.items():
-        if not ext.applies(method):
+        if not ext.applies(method) or not ext.in_all:  # longrope needs a file (test_extension_streams.py)
             continue
         # Rules driven by the length (dynamic_ntk, log_scaling, window) are the identity when the
         # length does not pass the context; those with a window of exact positions of their own
         # (rerope, self_extend) when it does not pass that window.
         by_length = ext.default_factor != "L/C"
-        limit = ((ext.resolved_options and ext.resolved_options(Setting(C, C, None))) or {}).get("window", C)
+        # (dual_chunk: while the length fits its first chunk, chunk_size - local_window.)
+        opts = (ext.resolved_options and ext.resolved_options(Setting(C, C, None))) or {}
+        limit = opts.get("window", opts.get("chunk_size", C) - opts.get("local_window", 0))
         short = tokens[:, : limit + 1]
         with extended(model, name, C, limit if by_length else 3 * C, 1.0):
             loss = _loss(model, short if by_length else tokens)
@@ -242,7 +244,7 @@ def test_resolve_extensions_refuses_skips_and_expands_all():
     assert lines == ["skipping extension ntk does not apply to method=learned; it applies to rotary methods "
                      f"({', '.join(m for m in list_methods() if issubclass(method_class(m), Rotary))})"]
     assert resolve_extensions("all", "alibi") == ["none", "log_scaling", "window"]
-    assert resolve_extensions("all", "rope") == ["none", *EXTENSIONS]
+    assert resolve_extensions("all", "rope") == ["none", *(e for e, x in EXTENSIONS.items() if x.in_all)]
     with pytest.raises(PosbenchError, match="unknown eval.extension 'pi'"):
         resolve_extensions(["pi"], "rope")
 

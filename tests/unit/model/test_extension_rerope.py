@@ -162,8 +162,9 @@ def test_causal_at_four_times_the_context_and_exact_inside_the_window(name, meth
     assert model.position.name == method and not isinstance(model.position, ExtendedPosition)
 
 
-@pytest.mark.parametrize("name", ["rerope", "self_extend"])
+@pytest.mark.parametrize("name", ["rerope", "self_extend", "streaming_llm", "lm_infinite", "dual_chunk"])
 def test_backends_agree(name):
+    """Every remapping rule (these two; streaming_llm, lm_infinite, dual_chunk: test_extension_streams.py)."""
     tokens = torch.randint(0, 64, (2, 2 * C + 1), generator=torch.Generator().manual_seed(0))
     losses = []
     for backend in ("eager", "sdpa", "flex"):
