@@ -336,3 +336,12 @@ def test_scope_rope_of_swan_extends_its_rope_layers_only():
             model.position.groups[1] = original
         plain = model(idx)
     assert torch.equal(scoped, expected) and not torch.allclose(scoped, plain)
+
+
+def test_posbench_eval_takes_the_scope():
+    """configs/eval.yaml lists every eval key posbench eval accepts; the scope was missing there."""
+    from helpers import compose_config
+
+    cfg = compose_config("eval", ["run=some/run", "eval.extension_scope=global"])
+    assert cfg.eval.extension_scope == "global"
+    assert compose_config("eval", ["run=some/run"]).eval.extension_scope is None  # null: the run's own
