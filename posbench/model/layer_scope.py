@@ -18,7 +18,7 @@ in one line, as is a scope on a method that is one method for all layers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -26,8 +26,9 @@ from posbench.core.errors import PosbenchError
 from posbench.methods.base import Normalizer, OverBase, PositionMethod, Rotary, ScoreFn, ValueTerm
 from posbench.methods.layers import Layers
 
-if TYPE_CHECKING:
-    from posbench.model.extension import Extension, Setting
+# ``ext`` below is a posbench.model.extension.Extension and ``setting`` its Setting (typed Any:
+# that module imports this one).
+Extension = Setting = Any
 
 SCOPES = ("all", "global", "local", "rope")
 
