@@ -213,6 +213,10 @@ class EvalConfig:
     plain model), linear, ntk, dynamic_ntk, yarn, llama3, log_scaling, window, rerope,
     self_extend, streaming_llm, lm_infinite, dual_chunk, longrope (with eval.longrope.factors), or all
     (every one that applies to the method, longrope aside); docs/context-extension.md."""
+    extension_scope: str = "all"
+    """The layers the extensions go on: all, or one layer type of a per-layer method (layers,
+    swan, a recipe): global (full attention), local (windowed or chunked) or rope (the rotary
+    layers), as Gemma 3 scales its global layers only; docs/context-extension.md."""
     extension_factor: float | None = None
     """Scaling factor of the extensions; None = L / C at each evaluated length L (dynamic_ntk:
     transformers' factor, default 1)."""
@@ -252,13 +256,17 @@ class EvalConfig:
                          window_stride=self.window_stride, effective_length_eps=self.effective_length_eps)
         if self.extension_factor is not None and not self.extension_factor >= 1:
             raise PosbenchError(f"eval.extension_factor must be >= 1 (or null for L / C), got {self.extension_factor}")
+        if self.extension_scope not in ("all", "global", "local", "rope"):
+            raise PosbenchError(f"eval.extension_scope={self.extension_scope!r} is not a scope; "
+                                "choose one of all, global, local, rope")
         # Extension names are checked by posbench.model.extension.check_names (it owns them), probe
         # names and their settings by the probe registry (posbench.evaluation.probes.configure_probes).
 
     def extension_options(self) -> dict[str, Any]:
         """The settings of the extensions that take some, by extension name (validated)."""
         return {"rerope": self.rerope, "self_extend": self.self_extend, "streaming_llm": self.streaming_llm,
-                "lm_infinite": self.lm_infinite, "longrope": self.longrope, "dual_chunk": self.dual_chunk}
+                "lm_infinite": self.lm_infinite, "longrope": self.longrope, "dual_chunk": self.dual_chunk,
+                "scope": self.extension_scope}
 
     def check_lengths(self, train_context: int, need_headline: bool, grid: bool = False) -> None:
         """Refuse lengths below the training context (they have no band at all), and, with

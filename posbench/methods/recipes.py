@@ -48,6 +48,7 @@ sequence indices, as everywhere in posbench; with the default ids they are the s
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, ClassVar
 
@@ -96,6 +97,14 @@ class LayerType(PositionMethod):
         self.chunk, self.floor_scale, self.attn_scale, self.logit_scale = chunk, floor_scale, attn_scale, logit_scale
         self.has_score_term = chunk is not None  # type: ignore[misc]  # per instance
         self.uses_positions = self.rope is not None or floor_scale is not None  # type: ignore[misc]
+
+    def with_rotation(self, rope: PositionMethod) -> LayerType:
+        """A copy of this layer type rotating with ``rope`` (an evaluation-time extension of its
+        RoPE, ``eval.extension_scope``); parameters are shared, this module is never changed."""
+        clone = copy.copy(self)
+        clone._modules = dict(self._modules)  # its own module dict
+        clone._modules["rope"] = rope
+        return clone
 
     def backend_limits(self) -> dict[str, str]:
         if self.sinks is None:

@@ -93,6 +93,7 @@ from posbench.model.extension_rules import (
     streaming_llm,
     streaming_llm_options,
 )
+from posbench.model.layer_scope import check_scope, install_in_scope, reaches, scoped_options
 
 NONE = "none"
 CAPABILITY_NAMES = {Rotary: "rotary", InputTable: "input-table"}
@@ -322,30 +323,39 @@ def check_names(requested: Sequence[str] | str) -> None:
 
 
 def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMethod | type[PositionMethod],
-                       log: Callable[[str], object] = print, layout: str = "sequence") -> list[str]:
+                       log: Callable[[str], object] = print, layout: str = "sequence", scope: str = "all") -> list[str]:
     """The extensions of ``eval.extension`` to evaluate for ``method`` (a name, a method or its
     class) on a model of ``layout``, always ``none`` first (the plain evaluation every extension
     is compared with).
 
+    ``scope`` (``eval.extension_scope``): the layers the extensions go on; other than ``all`` an
+    extension applies when it reaches a layer of that type (:mod:`posbench.model.layer_scope`).
     ``all`` means every extension that applies. A named extension that does not apply is skipped
     with one line; when only such extensions were asked for, the request is refused.
     """
     names = [str(n) for n in ([requested] if isinstance(requested, str) else requested)]
+    check_scope(scope)
+
+    def applies(ext: Extension) -> bool:
+        return ext.applies(method, layout) if scope == "all" else reaches(ext, method, scope)
+
     chosen: list[str] = [NONE]
     refused: list[str] = []
     for name in names:
         if name == "all":
-            chosen += [e for e, ext in EXTENSIONS.items() if ext.applies(method, layout) and ext.in_all]
+            chosen += [e for e, ext in EXTENSIONS.items() if applies(ext) and ext.in_all]
         elif name == NONE:
             continue
         elif name not in EXTENSIONS:
             raise PosbenchError(f"unknown eval.extension {name!r}; choose from none, all, {', '.join(EXTENSIONS)}")
-        elif EXTENSIONS[name].applies(method, layout):
+        elif applies(EXTENSIONS[name]):
             chosen.append(name)
         else:
             refused.append(name)
     for name in refused:
-        line = refusal(name, method, layout)
+        line = refusal(name, method, layout) if scope == "all" else (
+            f"extension {name} applies to no {scope} layer of method={method_type(method).name} "
+            "(eval.extension_scope: a per-layer method's global, local or rope layers)")
         if len(chosen) == 1:
             raise PosbenchError(line)
         log(f"skipping {line}")
@@ -404,6 +414,8 @@ def record_extension(entry: dict[str, Any], name: str, factor: float | None, tra
     for an extension with settings of its own, ``extension_options``; on the grid, where a rule
     applies per axis, ``extension_per_axis``: the sides its factor is the ratio of."""
     entry["extension"], entry["extension_factor"] = name, factor
+    if name != NONE and scoped_options(options) != "all":  # runs without a scope record none
+        entry["extension_scope"] = scoped_options(options)
     used = extension_options(name, train_context, length, options)
     if used is not None:
         entry["extension_options"] = used
@@ -424,12 +436,14 @@ def extended(model: nn.Module, name: str, train_context: int, length: int, facto
         yield None
         return
     original: PositionMethod = model.position  # type: ignore[assignment]
-    ext, layout = EXTENSIONS[name], model_layout(model)
-    if not ext.applies(original, layout):
+    ext, layout, scope = EXTENSIONS[name], model_layout(model), scoped_options(options)
+    if scope == "all" and not ext.applies(original, layout):
         raise PosbenchError(refusal(name, original, layout))
     train_context, length = axis_lengths(layout, train_context, length)
     used = extension_factor(name, length, train_context, factor)
-    wrapped = ext.install(original, Setting(train_context, length, used, options or {}))
+    setting = Setting(train_context, length, used, options or {})
+    # eval.extension_scope: on the layers of one type of a per-layer method (posbench.model.layer_scope)
+    wrapped = ext.install(original, setting) if scope == "all" else install_in_scope(ext, original, setting, scope)
     if wrapped is None:  # the identity at this setting: the plain model, bit for bit
         yield used
         return

@@ -36,7 +36,7 @@ def headline_entries(entries: Iterable[LossEntry]) -> list[LossEntry]:
 # The settings an eval entry was measured under, beyond its key: two entries of one key that
 # differ in any of them were measured on other windows or otherwise, so neither replaces the other.
 MEASUREMENT_FIELDS = ("num_sequences", "sequences_sha256", "window_stride", "extension_factor", "extension_options",
-                      "precision", "checkpoint_step")
+                      "extension_scope", "precision", "checkpoint_step")
 
 
 def entry_measurement(entry: LossEntry, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def variant_label(new: LossEntry, reference: LossEntry, recorded: dict[str, Any]
     and the extension factor counts only between entries of one extension."""
     ours, theirs = entry_measurement(new), entry_measurement(reference, recorded)
     if entry_extension(new) != entry_extension(reference):
-        for name in ("extension_factor", "extension_options"):
+        for name in ("extension_factor", "extension_options", "extension_scope"):
             ours.pop(name), theirs.pop(name)
     differs = [name for name in ours if theirs.get(name) is not None and ours[name] != theirs[name]]
     if "num_sequences" in differs and "sequences_sha256" in differs:  # other windows follow from another

@@ -109,6 +109,7 @@ class LossEntry(TypedDict):
     extension: NotRequired[str]  # the context extension ("none" = the plain model; absent: plain)
     extension_factor: NotRequired[float | None]  # the extension's factor (None for none)
     extension_options: NotRequired[dict[str, Any]]  # the settings of an extension that takes some
+    extension_scope: NotRequired[str]  # the layers it went on (global, local, rope; absent: all)
     data: NotRequired[str]  # after posbench eval: the text scored ("run" or the other text's path)
     checkpoint_step: NotRequired[int]  # after posbench eval: the step of the checkpoint scored
     precision: NotRequired[str]  # after posbench eval: the precision it ran in (bf16, fp32)

@@ -174,7 +174,8 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
         model = replace(model, patch_dim=task.patch_dim, head=task.head)
     # Refused (or skipped with a line) now, not after training; on the grid only the per-axis rules.
     evaluation = replace(evaluation, extension=resolve_extensions(evaluation.extension, probe, log=logger.info,
-                                                                  layout=model.layout))
+                                                                  layout=model.layout,
+                                                                  scope=evaluation.extension_scope))
     if task is not None and data.retrieval.active:
         raise PosbenchError(f"data.retrieval writes into text windows, and task={task.name} runs have none; "
                             "drop data.retrieval.rate")

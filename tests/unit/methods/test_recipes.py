@@ -241,3 +241,107 @@ def test_recipe_glob_sweeps_every_recipe_and_each_job_composes_its_method():
         assert job_layouts(cfg) == ("sequence", ("sequence",))
     assert compose_config("train", ["recipe=olmo3", "method.window=64"]).method.window == 64
     assert compose_config("train", []).method.name == "rope"  # no recipe: the default run is unchanged
+
+
+# ----------------------------------------------------------------------------- extension scope
+# Gemma 3 and OLMo 3 scale RoPE on their global (full-attention) layers only: transformers'
+# rope_parameters per layer type. eval.extension_scope=global must compute what that does.
+
+SCOPE_C, SCOPE_LENGTH = 8, 32  # yarn at factor L / C = 4
+
+
+def yarn_on_global(name: str) -> dict[str, Any]:
+    """transformers' per-layer-type rope_parameters of ``name`` with YaRN on the full-attention layers."""
+    base = {"gemma3": (10000.0, 1000000.0), "olmo3": (500000.0, 500000.0)}[name]
+    return {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": base[0]},
+        "full_attention": {"rope_type": "yarn", "rope_theta": base[1], "factor": SCOPE_LENGTH / SCOPE_C,
+                           "original_max_position_embeddings": SCOPE_C}}}
+
+
+def scoped_error(name: str, scope: str, extension: str = "yarn") -> float:
+    """Largest relative difference, over the layers, between posbench's recipe under ``extension``
+    on the ``scope`` layers and transformers' model with YaRN on its full-attention layers."""
+    from posbench.model.extension import extended
+
+    case = CASES[name]
+    saved = case.hf
+    case.hf = {**saved, **yarn_on_global(name)}
+    try:
+        ref = reference(name)
+    finally:
+        case.hf = saved
+    seen = hooked(ref, SCOPE_LENGTH)
+    ours = posbench_copy(name, ref)
+    windows, positions, worst = layer_windows(ours.cfg, ours.position), torch.arange(SCOPE_LENGTH), 0.0
+    with torch.no_grad(), extended(ours, extension, SCOPE_C, SCOPE_LENGTH, options={"scope": scope}):
+        for block, window, (x, out) in zip(ours.blocks, windows, seen):
+            y = block.attn(x, positions, ours.position, None, window)
+            worst = max(worst, float((y - out).abs().max() / out.abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("name", ["gemma3", "olmo3"])
+def test_extension_on_the_global_layers_matches_the_release_s_per_layer_rope_parameters(name):
+    assert scoped_error(name, "global") < 2e-6
+    assert scoped_error(name, "local") > 1e-3  # the mutation: YaRN on the other layers
+
+
+def test_extension_scope_refuses_in_one_line_and_results_record_it():
+    from posbench.model.extension import extended, record_extension, resolve_extensions
+
+    rope = posbench.create_model("rope", flavour="tiny", vocab_size=50)
+    with pytest.raises(PosbenchError, match="extension_scope=global needs a per-layer method"):
+        with extended(rope, "yarn", 8, 32, options={"scope": "global"}):
+            pass
+    gemma = posbench.create_model("gemma3", flavour="tiny", vocab_size=50, n_layers=6)
+    with pytest.raises(PosbenchError, match="rerope applies to no global layer of method=gemma3"):
+        with extended(gemma, "rerope", 8, 32, options={"scope": "global"}):
+            pass
+    cohere = posbench.create_model("cohere2", flavour="tiny", vocab_size=50, n_layers=4)
+    with pytest.raises(PosbenchError, match="yarn applies to no global layer of method=cohere2"):
+        resolve_extensions(["yarn"], cohere.position, scope="global")  # its global layers are NoPE
+    assert resolve_extensions(["yarn", "log_scaling"], cohere.position, scope="local") == ["none", "yarn", "log_scaling"]
+    with pytest.raises(PosbenchError, match="extension yarn does not apply to method=gemma3"):
+        resolve_extensions(["yarn"], gemma.position)  # scope all: a schedule is not one rotary method
+    with pytest.raises(PosbenchError, match="extension_scope='middle' is not a scope"):
+        resolve_extensions(["yarn"], gemma.position, scope="middle")
+    entry: dict[str, Any] = {}
+    record_extension(entry, "yarn", 4.0, 8, 32, {"scope": "global"})
+    assert entry["extension_scope"] == "global"
+    plain: dict[str, Any] = {}
+    record_extension(plain, "yarn", 4.0, 8, 32, {})
+    assert "extension_scope" not in plain
+
+
+def test_scope_rope_of_swan_extends_its_rope_layers_only():
+    """swan's RoPE layers under yarn with scope rope = the same model with its RoPE group's
+    frequencies and attention factor changed by hand; the NoPE layers untouched."""
+    from posbench.model.extension import EXTENSIONS, Setting, extended
+
+    torch.manual_seed(0)
+    model = posbench.create_model("swan", flavour="tiny", vocab_size=50, n_layers=4, attention="eager",
+                                  method_options={"window": 8})
+    idx = torch.randint(0, 50, (1, 40))
+    rope_group = model.position.groups[model.position.group_names.index("rope")]
+    by_hand = EXTENSIONS["yarn"].install(rope_group, Setting(16, 40, 40 / 16))
+    with torch.no_grad():
+        with extended(model, "yarn", 16, 40, options={"scope": "rope"}):
+            scoped = model(idx)
+        original = model.position.groups[1]
+        model.position.groups[1] = by_hand
+        try:
+            expected = model(idx)
+        finally:
+            model.position.groups[1] = original
+        plain = model(idx)
+    assert torch.equal(scoped, expected) and not torch.allclose(scoped, plain)
+
+
+def test_posbench_eval_takes_the_scope():
+    """configs/eval.yaml lists every eval key posbench eval accepts; the scope was missing there."""
+    from helpers import compose_config
+
+    cfg = compose_config("eval", ["run=some/run", "eval.extension_scope=global"])
+    assert cfg.eval.extension_scope == "global"
+    assert compose_config("eval", ["run=some/run"]).eval.extension_scope is None  # null: the run's own
