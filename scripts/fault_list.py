@@ -28,7 +28,7 @@ from helpers import QUICK_TRAIN  # noqa: E402
 from posbench.core.paths import recorded_location  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MPLBACKEND": "Agg",
-       "PYTHONPATH": str(TESTS)}
+       "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}  # this checkout's posbench, the tests' callbacks
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -172,6 +172,17 @@ CASES: list[tuple[str, str, Callable[[Path], tuple[str, str]]]] = [
      train_refusal("no length >= 2 x trainer.context", "eval.lengths=[48]")),
     ("bad input", "`posbench plot` over a run with status running and an old results.json", plot_skips_running),
     ("bad input", "unquoted path with spaces, `run=/tmp/.../my runs/x`", path_with_spaces),
+    ("bad input", "`trainer.compile_mode=reduce-overhead` on a CPU, `trainer.compile` left at auto",
+     train_refusal("captures CUDA graphs", "trainer.device=cpu", "trainer.compile_mode=reduce-overhead")),
+    ("bad input", "`data.retrieval.min_distance=100 max_distance=1000` at `trainer.context=64`",
+     train_refusal("lower data.retrieval.min_distance to at most", "data.retrieval.rate=0.5", "trainer.context=64",
+                   "eval.lengths=[128]", "data.retrieval.min_distance=100", "data.retrieval.max_distance=1000")),
+    ("bad input", "`task=fashion trainer.context=64` (its default eval.lengths)",
+     train_refusal("set trainer.context=49", "task=fashion", "method=axial_rope", "trainer.context=64",
+                   "eval.lengths=[49,196,784]")),
+    ("bad input", "`eval.probes=[passkey]` on `method=learned`, every passkey length past its positions",
+     train_refusal("lies past the model's 64 learned positions", "method=learned", "method.max_positions=64",
+                   "eval.probes=[passkey]", "eval.passkey.lengths=[128]")),
 ]
 
 

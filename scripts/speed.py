@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from posbench.bench.flops import matmul_parameters, resolve_peak_tflops, train_flops_per_token
 from posbench.bench.peer import build_peer
 from posbench.bench.timing import time_steps
+from posbench.commands.cli import run_script
 from posbench.config import load_group_option
 from posbench.core.errors import PosbenchError
 from posbench.methods import method_class
@@ -234,12 +236,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parse_options(options)
     for method in args.methods:
         method_class(method)  # unknown names fail with the list of valid ones
+    check_numbers(args)
+    args.device = check_device(args.device)
+    check_out(args.out)
     return args
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Sizes and counts that must be positive (a batch of 0 timed 0 tok/s; 0 steps crashed after
+    every warm-up), before any model is built."""
+    for flag in ("batch_size", "context", "vocab_size", "steps", "rounds", "profile_steps"):
+        if getattr(args, flag) < 1:
+            raise PosbenchError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        raise PosbenchError(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.budget_s > 0:
+        raise PosbenchError(f"--budget-s must be positive, got {args.budget_s}")
+
+
+def check_device(name: str) -> torch.device:
+    """``--device``: auto, cpu, cuda or cuda:N, and one that is there."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise PosbenchError(f"--device {name} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise PosbenchError(f"--device {name}: speed.py times cpu or cuda; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PosbenchError(f"--device {name} but CUDA is not available; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise PosbenchError(f"--device {name} but there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def check_out(out: str) -> None:
+    """``--out``: a file in a folder that exists and can be written (it is written after every stage)."""
+    path = Path(out).expanduser().absolute()
+    if path.is_dir():
+        raise PosbenchError(f"--out {out} is a folder; name a file, e.g. --out {Path(out) / 'speed.json'}")
+    if not path.parent.is_dir():
+        raise PosbenchError(f"--out {out}: the folder {path.parent} does not exist; create it or choose another --out")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise PosbenchError(f"--out {out}: the folder {path.parent} cannot be written; choose another --out")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = args.device  # checked by parse_args
     amp = autocast_dtype(args.precision, device)
     model_values = {**load_group_option("model", args.model), "vocab_size": args.vocab_size}
     model_cfg = ModelConfig.from_dict(model_values)
@@ -309,12 +354,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-        report = run(args)
-    except PosbenchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    """Bad arguments are one line ``speed: error: ...`` and exit 2 (:func:`run_script`), before any work."""
+    args = parse_args(argv)
+    report = run(args)
     print(render(report))
     missing = [name for name, r in report["variants"].items() if not math.isfinite(r.get("final_loss", math.nan))]
     if missing:
@@ -323,4 +365,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script("speed", main)

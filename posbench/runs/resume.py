@@ -92,18 +92,41 @@ def check_resumable(state: dict[str, Any], spec: RunSpec, total_steps: int, run_
     ours["positions.randomize_max"] = randomize_max or "off"
     for name, value in identity.items():  # checkpoints from before data_identity have none
         theirs[f"data.{name}"], ours[f"data.{name}"] = state.get("data_identity", {}).get(name), value
-    differences = [f"{key}={value}, not {key}={ours[key]}" for key, value in theirs.items()
-                   if value is not None and value != ours[key]]
-    if differences:
+    differs = [key for key, value in theirs.items() if value is not None and value != ours[key]]
+    if differs:
         raise PosbenchError(
-            f"{run_dir} holds a run with {'; '.join(differences)} (method={state.get('method')}); "
-            "resume it with the same config or choose a fresh hydra.run.dir"
+            f"{run_dir} holds a run with {'; '.join(resume_differences(differs, theirs, ours))} "
+            f"(method={state.get('method')}); resume it with the same config or choose a fresh hydra.run.dir"
         )
     if state["step"] > total_steps:
         raise PosbenchError(
             f"the checkpoint in {run_dir} is at step {state['step']}, past this run's {total_steps} steps; "
             "raise trainer.max_steps or choose a fresh hydra.run.dir"
         )
+
+
+def resume_differences(differs: list[str], theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """The settings that keep a checkpoint from resuming, the one that matters first: what the
+    user changes (method, seed, data, trainer, model), not what follows from it. Another method
+    brings other method options, and other data another vocabulary and other checksums: those are
+    left out, and the data is one item, not a list of sha256 sums."""
+    data = [key for key in differs if key.startswith("data.")]
+    left_out = set(data)
+    if "method" in differs:
+        left_out |= {key for key in differs if key.startswith("method.")}
+    if data:
+        left_out.add("model.vocab_size")
+    order = ("method", "seed", "data.", "trainer.", "positions.", "model.", "method.")
+    items = []
+    for prefix in order:
+        if prefix == "data." and data:
+            which = ", ".join(key.removeprefix("data.").removesuffix("_sha256") for key in data)
+            verb = "differs" if len(data) == 1 else "differ"
+            items.append(f"other data (its {which} {verb}: another data setting or changed text)")
+            continue
+        items += [f"{key}={theirs[key]}, not {key}={ours[key]}" for key in differs
+                  if (key == prefix or (prefix.endswith(".") and key.startswith(prefix))) and key not in left_out]
+    return items
 
 
 __all__ = ["check_resumable", "data_identity", "load_resume_state", "resolve_run_dir",

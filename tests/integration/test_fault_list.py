@@ -150,6 +150,8 @@ def test_eval_refuses_a_cache_whose_tokenizer_is_not_the_runs(trained):
         (["+optimizer=adam"], "unknown key(s) optimizer for posbench train"),
         (["debug=maybe"], "debug must be true or false, got 'maybe'"),
         (["trainer.context=32", "eval.lengths=[48]"], "no length >= 2 x trainer.context = 64"),
+        (["task=fashion", "method=axial_rope", "trainer.context=64", "eval.lengths=[49,196,784]"],
+         "make a 7 x 7 grid; set trainer.context=49"),  # was a lengths hint that was then refused
     ],
 )
 def test_bad_values_are_refused_in_one_line(overrides, message):

@@ -120,8 +120,30 @@ def test_resume_refuses_other_data(tmp_path):
     spec = build_spec(compose_config("train", [*QUICK_TRAIN, "method=nope"]))
     spec = replace(spec, model=replace(spec.model, vocab_size=state["model_config"]["vocab_size"]))
     other = {**state["data_identity"], "tokenizer_sha256": "0" * 64}
-    with pytest.raises(PosbenchError, match="data.tokenizer_sha256="):
+    with pytest.raises(PosbenchError, match=r"holds a run with other data \(its tokenizer differs: "):
         check_resumable(state, spec, 6, tmp_path, other)
+
+
+def test_a_refused_resume_names_the_setting_that_matters_first(tmp_path):
+    """It listed every difference, the cause among its consequences: another method's options
+    after the method, the vocabulary size and four sha256 sums before the data."""
+    interrupted(tmp_path, "method=rope", at=2)
+    state = read_checkpoint(list_checkpoints(tmp_path)[-1])
+    vocab = state["model_config"]["vocab_size"]
+    alibi = build_spec(compose_config("train", [*QUICK_TRAIN, "method=alibi", "seed=3"]))
+    alibi = replace(alibi, model=replace(alibi.model, vocab_size=vocab))
+    with pytest.raises(PosbenchError) as refused:
+        check_resumable(state, alibi, 6, tmp_path, state["data_identity"])
+    assert f"{tmp_path} holds a run with method=rope, not method=alibi; seed=0, not seed=3 (method=rope)" in str(refused.value)
+    rope = build_spec(compose_config("train", [*QUICK_TRAIN, "method=rope", "trainer.lr=0.5"]))
+    rope = replace(rope, model=replace(rope.model, vocab_size=vocab + 1))  # other data, so another vocabulary
+    other = {key: "0" * 64 for key in state["data_identity"]}
+    with pytest.raises(PosbenchError) as refused:
+        check_resumable(state, rope, 6, tmp_path, other)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path} holds a run with other data (its tokenizer, train, validation"), message
+    assert "differ: another data setting or changed text); trainer.lr=0.001, not trainer.lr=0.5 (" in message
+    assert "vocab_size" not in message and "0" * 64 not in message
 
 
 def test_resume_refuses_a_change_of_randomized_positions(tmp_path):

@@ -170,3 +170,26 @@ def test_mkdocs_nav_lists_every_page():
     missing = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in listed)
     assert missing == [], f"mkdocs.yml nav lacks {missing}"
     assert all((ROOT / "docs" / page).is_file() for page in listed), sorted(listed)
+
+
+def test_the_readmes_headline_pointer_finds_the_headline_in_a_shipped_run():
+    """The README pointed to bands["256-512"] at the top of results.json; it sits in the plain
+    entry under eval."""
+    import json
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    headline = float(re.search(r"256-512 loss (\d\.\d+)`", readme).group(1))
+    pointer = re.search(r'`bands\["256-512"\]` of the plain entry \(`"extension": "none"`\) at length (\d+) in the '
+                        r"`eval` list of\s+`results.json`", readme)
+    assert pointer is not None
+    results = json.loads((ROOT / "docs" / "cpu_quick" / "runs" / "rope-s0" / "results.json").read_text())
+    assert "bands" not in results
+    (entry,) = [e for e in results["eval"] if e["extension"] == "none" and e["length"] == int(pointer.group(1))]
+    assert entry["bands"]["256-512"] == pytest.approx(headline, abs=5e-5)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/install.md"])
+def test_the_token_cache_is_named_where_a_new_user_reads(page):
+    """It was named only in troubleshooting and the data page."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    assert "~/.cache/posbench" in text and "POSBENCH_CACHE" in text

@@ -62,3 +62,22 @@ def test_position_drift_refuses_bad_input_in_one_line(tmp_path, case):
     proc = run("position_drift.py", str(run_dir), "--csv", str(csv))
     assert_one_line(proc, "position_drift", "config.yaml" if case == "no run" else "has no checkpoints")
     assert not csv.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, words", [
+    (["--device", "nosuch"], ["--device nosuch is not a device; use auto, cpu, cuda or cuda:N"]),
+    (["--steps", "0"], ["--steps must be a positive integer, got 0"]),
+    (["--batch-size", "0"], ["--batch-size must be a positive integer, got 0"]),
+    (["--out", "{tmp}/missing/speed.json"], ["the folder {tmp}/missing does not exist; create it or choose another --out"]),
+    (["--modes", "fastest"], ["--modes: 'fastest' is not one of"]),
+])
+def test_speed_refuses_bad_arguments_in_one_line_before_any_work(tmp_path, args, words):
+    """--device nosuch, --steps 0 and --out in a missing folder gave tracebacks (the last after
+    every warm-up); --batch-size 0 exited 0 with a row of 0 tok/s."""
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "speed.json")]
+    proc = run("speed.py", "--model", "tiny", "--context", "16", "--vocab-size", "64", "--warmup", "1",
+               "--rounds", "1", "--no-compile", *out, *args)
+    assert_one_line(proc, "speed", *[w.replace("{tmp}", str(tmp_path)) for w in words])
+    assert list(tmp_path.rglob("*.json")) == []
