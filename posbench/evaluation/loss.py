@@ -358,7 +358,8 @@ def evaluate_run(model: nn.Module, prepared: Any, spec: Any, device: torch.devic
     e = spec.eval
     tokens = prepared.tokens(e.split)
     entries = evaluate_model(model, tokens, e, spec.trainer.context, device, log=log, autocast_dtype=amp_dtype)
-    return build_results(method=spec.method, seed=spec.seed, train_context=spec.trainer.context, eval=entries)
+    return build_results(kind=spec.kind, method=spec.method, seed=spec.seed, train_context=spec.trainer.context,
+                         eval=entries)
 
 
 def headline(results: EvaluatedRun, band: str = "256-512") -> float:

@@ -201,7 +201,8 @@ def task_results(model: nn.Module, spec: Any, device: torch.device, autocast_dty
         log(f"task {task.name}: not learnt at C (accuracy at {context} on the {record['learnt_at_c']['test_set']} test "
             f"{shown_mean({'mean': record['learnt_at_c']['value']})} < task.learnt_at_c={task.learnt_at_c}): "
             "comparisons leave this run out of every claim past C")
-    return build_results(method=spec.method, seed=spec.seed, train_context=context, eval=[], task=record)
+    return build_results(kind=spec.kind, method=spec.method, seed=spec.seed, train_context=context, eval=[],
+                         task=record)
 
 
 def learnt_at_c(task: TaskRecord, train_context: int) -> LearntAtC:

@@ -1,10 +1,11 @@
-"""The kinds of run, as reports see them: text runs and task runs.
+"""The report halves of the kinds of run (:mod:`posbench.runs.kinds`): text runs and task runs.
 
-Each kind is one object that owns its comparison (``posbench plot``'s figures and tables), a run's
-own figures and its part of a sweep's ``summary.md``; :func:`kind_of` selects it once from the run's
-record, so :mod:`posbench.report.plot` and :mod:`posbench.commands.sweep` never branch on the kind.
-The training side of a kind is its :class:`posbench.train.workload.Workload`. A new kind is a
-:class:`RunKind` subclass added with :func:`register_run_kind`.
+Each kind's report half is one object that owns its comparison (``posbench plot``'s figures and
+tables), a run's own figures and its part of a sweep's ``summary.md``; :func:`kind_of` selects it
+once from the run's record (results.json's ``kind``), so :mod:`posbench.report.plot` and
+:mod:`posbench.commands.sweep` never branch on the kind. The training half of a kind is its
+:class:`posbench.train.workload.Workload`. A new kind is a :class:`ReportKind` subclass attached
+with :func:`posbench.runs.kinds.register_run_kind` (``report=``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from posbench.report.extension import plot_extensions
 from posbench.report.figures import save
 from posbench.report.task_pairs import task_pairs, task_pairs_markdown
 from posbench.report.tasks import plot_task_runs, tables_markdown, task_figure, task_tables, unscored_reason
+from posbench.runs.kinds import RUN_KINDS, TASK, TEXT, get_run_kind, register_run_kind, results_kind
 from posbench.runs.run_record import RunRecord
 
 Log = Callable[[str], Any]
@@ -55,15 +57,10 @@ class Compared:
     """``<n> runs (<g> groups)``: the end of the log line naming the output folder."""
 
 
-class RunKind:
-    """One kind of run. ``reads_text``: its runs have text for ``posbench viz``'s pictures."""
+class ReportKind:
+    """The report half of one kind of run. ``reads_text``: its runs have text for ``posbench viz``'s pictures."""
 
-    name = ""
     reads_text = False
-
-    def owns(self, run: RunRecord) -> bool:
-        """Whether ``run``'s results.json is of this kind."""
-        raise NotImplementedError
 
     def unscored(self, run: RunRecord) -> str | None:
         """Why ``run`` cannot be shown in a comparison, or None."""
@@ -104,14 +101,10 @@ def _bands_markdown(comparison: Comparison, problems: Sequence[tuple[str, str]])
     return "\n".join(lines) + "\n"
 
 
-class TextKind(RunKind):
+class TextKind(ReportKind):
     """A run on text: loss by position, bands and costs, extensions and probes."""
 
-    name = "text"
     reads_text = True
-
-    def owns(self, run: RunRecord) -> bool:
-        return "task" not in run.results
 
     def compare(self, runs: Sequence[RunRecord], out: Path, formats: Sequence[str], log: Log,
                 problems: Sequence[tuple[str, str]]) -> Compared:
@@ -168,13 +161,8 @@ class TextKind(RunKind):
         return group_of, lines
 
 
-class TaskKind(RunKind):
+class TaskKind(ReportKind):
     """A synthetic task run (docs/tasks.md): accuracy on the answers by length, beside its baselines."""
-
-    name = "task"
-
-    def owns(self, run: RunRecord) -> bool:
-        return "task" in run.results
 
     def unscored(self, run: RunRecord) -> str | None:
         return unscored_reason(run)  # NaN accuracies
@@ -200,34 +188,35 @@ class TaskKind(RunKind):
                           "Figures and tables: `comparison/` (`tasks_<task>.png`, `tasks.md`, `tasks.csv`)."]
 
 
-RUN_KINDS: list[RunKind] = [TextKind(), TaskKind()]
-"""In the order their comparisons are reported; every run is owned by exactly one."""
+register_run_kind(TEXT, report=TextKind())
+register_run_kind(TASK, report=TaskKind())
 
 
-def register_run_kind(kind: RunKind) -> RunKind:
-    """Add ``kind`` (reported after the others)."""
-    RUN_KINDS.append(kind)
-    return kind
+def kind_of(run: RunRecord) -> ReportKind:
+    """The report half of ``run``'s kind (its results.json's ``kind``; :func:`posbench.runs.kinds.results_kind`)."""
+    return get_run_kind(results_kind(run.results)).report
 
 
-def kind_of(run: RunRecord) -> RunKind:
-    """The kind that owns ``run`` (selected from its results.json)."""
-    return next(kind for kind in RUN_KINDS if kind.owns(run))
-
-
-def by_kind(runs: Sequence[RunRecord]) -> dict[RunKind, list[RunRecord]]:
-    """``runs`` by their kind, in :data:`RUN_KINDS` order; kinds without runs are left out."""
-    found: dict[RunKind, list[RunRecord]] = {}
+def by_kind(runs: Sequence[RunRecord]) -> dict[ReportKind, list[RunRecord]]:
+    """``runs`` by the report half of their kind, in the registry's order; kinds without runs are left out."""
+    found: dict[str, list[RunRecord]] = {}
     for run in runs:
-        found.setdefault(kind_of(run), []).append(run)
-    return {kind: found[kind] for kind in RUN_KINDS if kind in found}
+        found.setdefault(results_kind(run.results), []).append(run)
+    return {kind.report: found[name] for name, kind in RUN_KINDS.items() if name in found}
 
 
 def split_unscored(runs: Sequence[RunRecord]) -> tuple[list[RunRecord], list[tuple[str, str]]]:
-    """``runs`` without those their kind cannot show (:meth:`RunKind.unscored`), and those as problems."""
+    """``runs`` without those their kind cannot show (:meth:`ReportKind.unscored`; a kind this
+    posbench does not know or cannot report), and those as problems."""
     kept, dropped = [], []
     for run in runs:
-        reason = kind_of(run).unscored(run)
+        name = results_kind(run.results)
+        known = RUN_KINDS.get(name)
+        if known is None or known.report is None:
+            dropped.append((str(run.path), f"a run of kind {name!r}, which this posbench cannot report "
+                                           f"(known: {', '.join(k for k, v in RUN_KINDS.items() if v.report)})"))
+            continue
+        reason = known.report.unscored(run)
         if reason is None:
             kept.append(run)
         else:
@@ -235,5 +224,5 @@ def split_unscored(runs: Sequence[RunRecord]) -> tuple[list[RunRecord], list[tup
     return kept, dropped
 
 
-__all__ = ["Compared", "RUN_KINDS", "RunKind", "TaskKind", "TextKind", "by_kind", "kind_of", "probe_figure_hooks",
-           "register_run_kind", "split_unscored"]
+__all__ = ["Compared", "ReportKind", "TaskKind", "TextKind", "by_kind", "kind_of", "probe_figure_hooks",
+           "split_unscored"]

@@ -33,18 +33,20 @@ def versions() -> dict[str, str]:
 
 
 def build_results(*, method: str, seed: int, train_context: int, eval: list[LossEntry],
-                  train: TrainRecord | None = None, **extra: Any) -> Results:
+                  train: TrainRecord | None = None, kind: str | None = None, **extra: Any) -> Results:
     """A results.json dict (schema ``SCHEMA_VERSION``): the one builder of every evaluator's part
     (the text runs' :func:`posbench.evaluation.loss.evaluate_run`, the task runs'
     :func:`posbench.evaluation.tasks.task_results`) and of a whole file.
 
-    ``extra`` keys (``task``, ``run_name``, ``model``, ``data``...) are stored as given, then
+    ``kind`` is the run's kind (:mod:`posbench.runs.kinds`; files without it are read by
+    :func:`posbench.runs.kinds.results_kind`). ``extra`` keys (``task``, ``run_name``, ``model``,
+    ``data``...) are stored as given, then
     ``created`` unless passed. With ``train`` the file is whole: ``versions`` is filled in unless
     passed and it is validated; without, it is an evaluation's top part, which the trainer
     completes (:class:`posbench.train.final.FinalEvaluation`).
     """
-    results: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "method": method, "seed": seed,
-                               "train_context": train_context}
+    results: dict[str, Any] = {"schema_version": SCHEMA_VERSION, **({"kind": kind} if kind else {}), "method": method,
+                               "seed": seed, "train_context": train_context}
     if train is not None:
         results["train"] = dict(train)
     results["eval"] = list(eval)

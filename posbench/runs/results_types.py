@@ -193,6 +193,7 @@ class EvaluatedRun(TypedDict):
     """The part of results.json a run's final evaluation writes (before ``train`` and the rest)."""
 
     schema_version: int  # SCHEMA_VERSION
+    kind: NotRequired[str]  # the run's kind: text, task or a plug-in's (absent from files written before it)
     method: str  # the position method (its label, e.g. rope+rand2048)
     seed: int  # the run's seed
     train_context: int  # C

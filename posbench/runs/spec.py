@@ -24,6 +24,7 @@ from posbench.methods import ModelDims, PositionMethod, build_method, method_cla
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.model.positions import randomize_max_from_config
 from posbench.model.transformer import ModelConfig
+from posbench.runs.kinds import TASK, TEXT, config_kind
 from posbench.tasks import Task, make_task
 from posbench.tasks.base import task_class
 from posbench.train.settings import TrainerConfig
@@ -110,6 +111,8 @@ class RunSpec:
     task: Task | None = None
     """The synthetic task of a ``task=<name>`` run (docs/tasks.md); None for text runs."""
     task_options: dict[str, Any] = field(default_factory=dict)
+    kind: str = TEXT
+    """The run's kind (:mod:`posbench.runs.kinds`): ``text``, ``task`` or a plug-in's."""
 
     @property
     def method(self) -> str:
@@ -173,8 +176,12 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
                             "drop data.retrieval.rate")
     if task is not None and seed < 0:  # the run seed is a word of the task's numpy seed
         raise PosbenchError(f"seed={seed}: a task run's seed must be >= 0 (it seeds the training sequences)")
+    kind = config_kind(cfg)
+    if kind in (TEXT, TASK) and (kind == TASK) != (task is not None):
+        raise PosbenchError(f"kind={kind} {'needs' if kind == TASK else 'cannot have'} a task; "
+                            "leave kind=null (task=<name> makes a task run)")
     return RunSpec(trainer, evaluation, model, method, data, seed,
-                   str(cfg.get("run_name", f"{method.name}-s{seed}")), task, task_options)
+                   str(cfg.get("run_name", f"{method.name}-s{seed}")), task, task_options, kind)
 
 
 def is_grid_task(section: Any) -> bool:

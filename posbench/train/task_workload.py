@@ -32,6 +32,11 @@ class TaskWorkload:
     data_dir = None
     """No token cache: checkpoints record ``data_dir: null``."""
 
+    @classmethod
+    def from_spec(cls, spec: Any, log: Callable[[str], None]) -> TaskWorkload:
+        """The task's generator (no token cache)."""
+        return cls(spec.task, spec.task_options)
+
     @property
     def vocab_size(self) -> int:
         return self.task.vocab_size

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from posbench.core.errors import PosbenchError
@@ -104,6 +104,8 @@ class Trainer(Checkpoints, FinalEvaluation):
         """Config and device only: nothing is read from or written to the run directory yet."""
         self.cfg, self.log, self.evaluate_only, self.hydra_record = cfg, log, evaluate_only, hydra_record
         self.spec = build_spec(cfg, saved=evaluate_only)
+        with open_dict(cfg):
+            cfg.kind = self.spec.kind  # recorded with the config (config.yaml, checkpoints): the run's kind
         self.t = self.spec.trainer
         configure_probes(self.spec.eval, self.t.context)  # eval.probes and their settings, before any work
         self.device, self.dist_info = self._setup_device()

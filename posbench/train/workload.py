@@ -1,11 +1,11 @@
-"""What a run trains on and is scored on: text (a token cache) or a synthetic task.
+"""What a run trains on and is scored on: the training half of each kind of run.
 
-The trainer asks its workload for everything that differs between the two, so
+The trainer asks its workload for everything that differs between kinds, so
 :mod:`posbench.train.trainer` never branches on the kind of run; ``posbench eval`` asks a saved
-run's workload class (:func:`saved_workload`). The report side of a kind is
-:mod:`posbench.report.kinds`. :func:`make_workload` picks
-:class:`TextWorkload` (``data=...``) or :class:`posbench.train.task_workload.TaskWorkload`
-(``task=<name>``); both follow :class:`Workload`.
+run's workload class (:func:`saved_workload`). The kinds are one registry
+(:mod:`posbench.runs.kinds`), whose report halves are :mod:`posbench.report.kinds`; this module
+attaches the built-in kinds' training halves: :class:`TextWorkload` (``text``) and
+:class:`posbench.train.task_workload.TaskWorkload` (``task``), both following :class:`Workload`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from posbench.data import PreparedData, prepare_data
 from posbench.data.loader import TrainBatches
 from posbench.data.retrieval import RetrievalConfig, make_inserter
 from posbench.evaluation.loss import evaluate_run, headline, per_position_loss, validation_sets
+from posbench.runs.kinds import TASK, TEXT, config_kind, get_run_kind, register_run_kind
 from posbench.runs.load import run_data
 from posbench.runs.results_types import EvaluatedRun, Results
 from posbench.runs.resume import data_identity
@@ -28,6 +29,10 @@ from posbench.train.task_workload import TaskWorkload
 
 class Workload(Protocol):
     """The data side of a run, as the trainer uses it."""
+
+    @classmethod
+    def from_spec(cls, spec: Any, log: Callable[[str], None]) -> Workload:
+        """The workload of ``spec`` (a :class:`posbench.runs.spec.RunSpec` of this kind)."""
 
     @property
     def text(self) -> PreparedData | None:
@@ -87,6 +92,11 @@ class TextWorkload:
         self.text = prepared
         self.data_dir = str(prepared.dir)
         self.retrieval = retrieval or RetrievalConfig()  # data.retrieval: inserted into training windows only
+
+    @classmethod
+    def from_spec(cls, spec: Any, log: Callable[[str], None]) -> TextWorkload:
+        """The prepared text of ``data`` (tokenized once into the token cache)."""
+        return cls(prepare_data(spec.data, log=log), spec.data.retrieval)
 
     @property
     def vocab_size(self) -> int:
@@ -148,18 +158,21 @@ class TextWorkload:
         return run_data(run, log)
 
 
-def saved_workload(config: Any) -> type[TextWorkload] | type[TaskWorkload]:
-    """The workload class of a saved run, from its recorded config: what ``posbench eval`` may do
-    with it (``check_reevaluation``) and its data (``saved_data``)."""
-    return TextWorkload if config.get("task") is None else TaskWorkload
+register_run_kind(TEXT, workload=TextWorkload)
+register_run_kind(TASK, workload=TaskWorkload)
+
+
+def saved_workload(config: Any) -> Any:
+    """The workload class of a saved run, from its recorded config (its kind,
+    :func:`posbench.runs.kinds.config_kind`): what ``posbench eval`` may do with it
+    (``check_reevaluation``) and its data (``saved_data``)."""
+    return get_run_kind(config_kind(config)).workload
 
 
 def make_workload(spec: Any, log: Callable[[str], None]) -> Workload:
-    """``spec`` (a :class:`posbench.runs.spec.RunSpec`) -> its workload: the task's generator for
-    ``task=<name>`` (no token cache), else the prepared text of ``data``."""
-    if spec.task:
-        return TaskWorkload(spec.task, spec.task_options)
-    return TextWorkload(prepare_data(spec.data, log=log), spec.data.retrieval)
+    """``spec`` (a :class:`posbench.runs.spec.RunSpec`) -> the workload of its kind: the task's
+    generator for a task run (no token cache), the prepared text of ``data`` for a text run."""
+    return get_run_kind(spec.kind).workload.from_spec(spec, log)
 
 
 __all__ = ["TextWorkload", "Workload", "make_workload", "saved_workload"]

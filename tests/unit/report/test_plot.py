@@ -274,17 +274,23 @@ def test_sixteen_plus_curves_get_distinct_styles_and_the_legend_is_outside() -> 
 
 
 def test_each_run_has_one_kind_selected_from_its_record(tmp_path) -> None:
-    """plot, the sweep summary and a run's figures ask the run's kind (posbench.report.kinds); a
-    kind is chosen once, from results.json, and every run has exactly one."""
-    from posbench.report.kinds import RUN_KINDS, TaskKind, TextKind, by_kind, kind_of, split_unscored
+    """plot, the sweep summary and a run's figures ask the run's kind (posbench.runs.kinds, the
+    report half in posbench.report.kinds); a kind is chosen once, from results.json's ``kind``, or
+    for a file from before the key from whether it holds a task."""
+    from posbench.report.kinds import TaskKind, TextKind, by_kind, kind_of, split_unscored
+    from posbench.runs.kinds import RUN_KINDS
     from posbench.runs.run_record import RunRecord
 
     text = RunRecord(path=tmp_path / "a", results={"method": "rope", "eval": []})
     task = RunRecord(path=tmp_path / "b", results={"method": "rope", "eval": [], "task": {
         "name": "flipflop", "entries": [{"length": 64, "accuracy": {"mean": float("nan")}}]}})
+    recorded = RunRecord(path=tmp_path / "c", results={"kind": "text", "method": "rope", "eval": []})
     assert isinstance(kind_of(text), TextKind) and isinstance(kind_of(task), TaskKind)
-    assert all(sum(kind.owns(run) for kind in RUN_KINDS) == 1 for run in (text, task))
-    assert list(by_kind([task, text])) == RUN_KINDS[:2]  # reported text first, whatever the order found
+    assert isinstance(kind_of(recorded), TextKind)
+    reports = [kind.report for kind in RUN_KINDS.values()]
+    assert list(by_kind([task, text])) == reports[:2]  # reported text first, whatever the order found
     assert kind_of(text).reads_text and not kind_of(task).reads_text
     kept, dropped = split_unscored([text, task])  # the task kind refuses NaN accuracies
     assert kept == [text] and dropped[0][0] == str(task.path) and "NaN" in dropped[0][1]
+    other = RunRecord(path=tmp_path / "d", results={"kind": "not_here", "method": "rope", "eval": []})
+    assert "kind 'not_here', which this posbench cannot report" in split_unscored([other])[1][0][1]
