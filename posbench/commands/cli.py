@@ -10,6 +10,7 @@ the subcommand.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -95,6 +96,8 @@ COMMANDS: dict[str, tuple[Callable[[DictConfig], Any], str]] = {
     "bench": (_bench, "measure training/eval speed per method (tokens/s, MFU, memory)"),
     "viz": (_viz, "pictures of a method (method=<name>, no training) or a trained run/sweep (run=<dir>)"),
 }
+EVALUATES = ("train", "eval")
+"""The commands whose config holds the eval section (with a section per registered probe)."""
 
 
 def usage() -> str:
@@ -250,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"posbench: error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         raise SystemExit(2)
     _register_launcher()
+    if command in EVALUATES:  # their eval config holds a section per probe: the probes register them
+        importlib.import_module("posbench.evaluation.probes")
     from omegaconf import OmegaConf
 
     from posbench.config import groups_help
