@@ -5,14 +5,18 @@
 
 A group whose settings are a dataclass (``posbench.config.settings_groups()``: ``trainer``, ``bench``,
 ``eval``) has its table rendered from the fields: the key (a nested settings dataclass, such as
-``eval.copy``, gives ``copy.<field>`` rows), the default, and the field's docstring, which is the
-one place a key is documented. The table sits between ``<!-- config-reference: <group> -->`` and
+``eval.rerope``, gives ``rerope.<field>`` rows; each registered probe's settings give
+``<probe>.<field>`` rows), the default, and the field's docstring, which is the one place a key is
+documented. A key whose values are a registry's names (``eval.extension``, ``eval.probes``) gets
+the registry's names and one-line descriptions after its docstring, so no list is kept by hand.
+The table sits between ``<!-- config-reference: <group> -->`` and
 ``<!-- config-reference: <group> end -->`` in the page; the rest of the page is written by hand.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 import sys
@@ -45,11 +49,29 @@ def default_of(f: Any) -> Any:
     return f.default_factory() if f.default is MISSING else f.default
 
 
+def registered(key: str) -> str:
+    """The registry listing appended to ``key``'s docstring ("" for a key without one)."""
+    from posbench.evaluation.probes import PROBES
+    from posbench.model.extension import EXTENSIONS
+
+    listing = {"eval.extension": ("Registered", [(e.name, e.summary) for e in EXTENSIONS.values()]),
+               "eval.probes": ("Registered", [(p.name, p.description) for p in PROBES.values()])}.get(key)
+    if listing is None:
+        return ""
+    return f" {listing[0]}: " + "; ".join(f"``{name}`` ({text})" if text else f"``{name}``" for name, text in listing[1]) + "."
+
+
 def rows(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
-    """(key, default, docstring) of every leaf field; a nested settings dataclass adds its own."""
+    """(key, default, docstring) of every leaf field; a nested settings dataclass adds its own,
+    and the eval section's probe sections those of each registered probe's settings."""
+    from posbench.evaluation.settings import PROBE_SETTINGS
+
     docs, types = field_docs(cls), get_type_hints(cls)
     for f in fields(cls):
-        if is_dataclass(types[f.name]):
+        if f.metadata.get("sections"):
+            for name, settings in PROBE_SETTINGS.items():
+                yield from rows(settings, f"{prefix}{name}.")
+        elif is_dataclass(types[f.name]):
             yield from rows(types[f.name], f"{prefix}{f.name}.")
         elif f.name not in docs:
             raise PosbenchError(f"{cls.__name__}.{f.name} has no docstring; document it under the field")
@@ -81,7 +103,8 @@ def table(group: str, cls: type) -> str:
     title = f"**`{group}`**" if group in composed_groups("train") else f"**posbench {group}**"  # a command's own keys
     lines = [f"{title} (`{module}`: `{cls.__name__}`)", "",
              "| key | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{key}` | {value_text(default)} | {meaning_text(doc)} |" for key, default, doc in rows(cls)]
+    lines += [f"| `{key}` | {value_text(default)} | {meaning_text(doc + registered(f'{group}.{key}'))} |"
+              for key, default, doc in rows(cls)]
     return "\n".join(lines)
 
 
@@ -100,6 +123,7 @@ def replace_region(page: str, begin: str, end: str, body: str, name: str) -> str
 
 def render(page: str) -> str:
     """``page`` with every settings group's region replaced by the table its dataclass gives."""
+    importlib.import_module("posbench.evaluation.probes")  # registers the probes and their eval.<name> sections
     for group, cls in settings_groups().items():
         page = replace_region(page, *marks(group), table(group, cls), f"{PAGE.name} (group {group})")
     return page

@@ -52,6 +52,7 @@ def compose_config(name: str, overrides: list[str]):
     """Compose a shipped primary config (train, eval, ...) the way the CLI does."""
     from hydra import compose, initialize_config_dir
 
+    import posbench.evaluation.probes  # noqa: F401  (registers the probes' eval.<name> sections, as the CLI does)
     from posbench.config import config_dir
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -10,6 +10,7 @@ the subcommand.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -111,6 +112,8 @@ COMMANDS: dict[str, tuple[Callable[[DictConfig], Any], str]] = {
     "runs": (_runs, "the runs and sweeps under a folder and their state: posbench runs <folder>"),
     "viz": (_viz, "pictures of a method (method=<name>, no training) or a trained run/sweep (run=<dir>)"),
 }
+EVALUATES = ("train", "eval")
+"""The commands whose config holds the eval section (with a section per registered probe)."""
 
 
 def usage() -> str:
@@ -301,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"posbench: error: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         raise SystemExit(2)
     _register_launcher()
+    if command in EVALUATES:  # their eval config holds a section per probe: the probes register them
+        importlib.import_module("posbench.evaluation.probes")
     from omegaconf import OmegaConf
 
     from posbench.config import groups_help

@@ -10,12 +10,11 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig, tokenize_with
 from posbench.evaluation.loss import evaluate_model
 from posbench.evaluation.probes import ProbeRun, configure_probes, merge_probe_results, run_probes
-from posbench.evaluation.settings import EvalConfig
+from posbench.evaluation.settings import eval_settings
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.report.plot import write_run_figures
 from posbench.runs.entries import entry_measurement, merge_eval_entries, plain_entries
@@ -63,7 +62,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
     device = resolve_device(str(cfg.get("device", "auto")))
     run = load_run(cfg.run, device=device, log=log)
     section, replace = run_eval_section(cfg, run)
-    evaluation = from_section(EvalConfig, "eval", section)
+    evaluation = eval_settings(section)
     probes_only = cfg.get("probes_only", False)
     if not isinstance(probes_only, bool):
         raise PosbenchError(f"probes_only must be true or false, got {probes_only!r}")

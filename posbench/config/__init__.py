@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,17 +34,36 @@ def settings_groups() -> dict[str, type]:
     return {"trainer": TrainerConfig, "eval": EvalConfig, "bench": BenchSettings, "viz": VizSettings}
 
 
-@functools.cache
 def register_settings() -> None:
     """Store each settings group's defaults in Hydra's ConfigStore as ``<group>_settings``: a plain
-    (untyped) node, so posbench's own checks (``from_section``) still report a bad value."""
+    (untyped) node, so posbench's own checks (``from_section``) still report a bad value. The eval
+    group's holds a section per registered probe (the probes registered when a config is composed:
+    the commands that evaluate import :mod:`posbench.evaluation.probes` first), and
+    ``eval_overrides`` is the same with every leaf null (``posbench eval``: null = the run's own)."""
+    from posbench.evaluation.settings import PROBE_SETTINGS
+
+    probes = tuple(PROBE_SETTINGS.items())
+    if _STORED.get("probes") != probes:  # stored again whenever a probe was registered or removed since
+        _store_settings()
+        _STORED["probes"] = probes
+
+
+_STORED: dict[str, Any] = {}
+"""The registered probes the ConfigStore's nodes were last stored with."""
+
+
+def _store_settings() -> None:
+    """The nodes of :func:`register_settings`."""
     from dataclasses import asdict
 
     from hydra.core.config_store import ConfigStore
 
+    from posbench.evaluation.settings import eval_defaults
+
     store = ConfigStore.instance()
     for group, cls in settings_groups().items():
-        store.store(name=f"{group}_settings", node=asdict(cls()))
+        store.store(name=f"{group}_settings", node=eval_defaults() if group == "eval" else asdict(cls()))
+    store.store(name="eval_overrides", node=eval_defaults(None))
 
 
 def config_names(group: str) -> list[str]:

@@ -1,26 +1,30 @@
 """The evaluator's settings (``eval.*``): typed, documented, validated, with the settings of
-the extensions that take some (``eval.rerope``, ``eval.self_extend``) and of the probes
-(``eval.copy``, ``eval.passkey``).
+the extensions that take some (``eval.rerope``, ``eval.self_extend``) and a section per probe
+(``eval.copy``, ``eval.passkey``, ...).
 
-Built from the ``eval`` config section by :func:`posbench.config.settings.from_section` (a nested
-section becomes its own dataclass); the defaults here are the only ones
-(``configs/eval/default.yaml`` composes them), and docs/configuration.md's eval tables are
-generated from the fields and their docstrings (``scripts/config_reference.py``). Layer 1 like
+Built from the ``eval`` config section by :func:`eval_settings` (a nested section becomes its own
+dataclass); the defaults here are the only ones (``configs/eval/default.yaml`` composes them,
+:func:`eval_defaults`), and docs/configuration.md's eval tables are generated from the fields and
+their docstrings (``scripts/config_reference.py``). A probe's settings live in its module
+(``posbench/evaluation/probes/``): the probe registry adds each to :data:`PROBE_SETTINGS` when the
+probe is registered, which makes ``eval.<probe>`` a section of the eval config. Layer 1 like
 ``posbench.config``: the run spec (``posbench.runs``) and the model's extensions build on it, so it
 imports only ``core`` and ``config``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from posbench.config.settings import require_positive
+from posbench.config.settings import from_section, require_positive
 from posbench.core.errors import PosbenchError
 
-# The copy probe's span kinds (posbench/evaluation/probes/copy.py runs them).
-KINDS = ("random", "text")
+PROBE_SETTINGS: dict[str, type] = {}
+"""``eval.<name>`` sections of the registered probes: probe name -> its settings dataclass
+(:func:`posbench.evaluation.probes.register_probe` adds them)."""
 
 
 @dataclass(frozen=True)
@@ -119,72 +123,6 @@ class LongRoPEConfig:
 
 
 @dataclass(frozen=True)
-class CopyConfig:
-    """The copy probe (eval.copy.*; posbench/evaluation/probes/copy.py, docs/probes.md)."""
-
-    distances: list[int] = field(default_factory=lambda: [32, 64, 128, 192, 256, 320, 384, 512, 768])
-    """Distances d between the two occurrences of the span (each >= span)."""
-    span: int = 32
-    """k: tokens in the repeated span; k - 1 of them are scored."""
-    num_windows: int = 64
-    """Windows per (kind, distance, region), the same windows for every cell and every method;
-    at least 2 (for an interval)."""
-    kinds: list[str] = field(default_factory=lambda: ["random", "text"])
-    """random (ids uniform over the vocabulary: pure retrieval) and/or text (a held-out passage)."""
-    seed: int = 0
-    """Seeds the choice of passages and the random spans (never the model's seed)."""
-    split: str = "validation"
-    """validation or test: held-out text only."""
-
-    def validate(self) -> None:
-        s = "eval.copy"
-        require_positive(s, span=self.span, num_windows=self.num_windows)
-        if self.span < 2:
-            raise PosbenchError(f"eval.copy.span must be at least 2 (one token is not scored), got {self.span}")
-        if self.num_windows < 2:
-            raise PosbenchError(f"eval.copy.num_windows must be at least 2 (for an interval), got {self.num_windows}")
-        if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < self.span
-                                     for d in self.distances):
-            raise PosbenchError(f"eval.copy.distances must be integers >= eval.copy.span={self.span}, "
-                                f"got {self.distances}")
-        if not self.kinds or any(k not in KINDS for k in self.kinds):
-            raise PosbenchError(f"eval.copy.kinds must be a non-empty list of {', '.join(KINDS)}, got {self.kinds}")
-        if self.split not in ("validation", "test"):
-            raise PosbenchError(f"eval.copy.split must be validation or test (held-out text), got {self.split!r}")
-
-
-@dataclass(frozen=True)
-class PasskeyConfig:
-    """The passkey evaluation (eval.passkey.*; posbench/evaluation/probes/passkey.py, docs/retrieval.md)."""
-
-    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
-    """Window lengths L of the passkey evaluation (``eval.probes=[passkey]``, docs/retrieval.md);
-    the question and its answer end the window."""
-    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    """Where the key sentence starts, as a fraction of the room before the question (0: the
-    window's start, farthest from the question; 1: right before it)."""
-    num_windows: int = 32
-    """Windows per (length, depth): the same haystacks and keys in every cell and for every method."""
-    seed: int = 0
-    """Seeds the haystacks and the keys (never the model's seed)."""
-    split: str = "validation"
-    """validation or test: held-out text only."""
-
-    def validate(self) -> None:
-        s = "eval.passkey"
-        if self.num_windows < 2:
-            raise PosbenchError(f"{s}.num_windows must be at least 2 (for an interval), got {self.num_windows}")
-        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.lengths):
-            raise PosbenchError(f"{s}.lengths must be integers >= 64 (room for the key and the question), "
-                                f"got {self.lengths}")
-        if not self.depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1
-                                  for d in self.depths):
-            raise PosbenchError(f"{s}.depths must be numbers in [0, 1], got {self.depths}")
-        if self.split not in ("validation", "test"):
-            raise PosbenchError(f"{s}.split must be validation or test (held-out text), got {self.split!r}")
-
-
-@dataclass(frozen=True)
 class EvalConfig:
     """How a trained model is evaluated past its training context."""
 
@@ -210,9 +148,8 @@ class EvalConfig:
     smoothed loss exceeds its 0-C level (or the windowed curve) by more than this."""
     extension: list[str] = field(default_factory=lambda: ["none"])
     """Context extensions evaluated at every length, each its own results.json entry: none (the
-    plain model), linear, ntk, dynamic_ntk, yarn, llama3, log_scaling, window, rerope,
-    self_extend, streaming_llm, lm_infinite, dual_chunk, longrope (with eval.longrope.factors), or all
-    (every one that applies to the method, longrope aside); docs/context-extension.md."""
+    plain model), all (every one that applies to the method) or registered extensions
+    (posbench/model/extension.py; docs/context-extension.md)."""
     extension_scope: str = "all"
     """The layers the extensions go on: all, or one layer type of a per-layer method (layers,
     swan, a recipe): global (full attention), local (windowed or chunked) or rope (the rotary
@@ -237,13 +174,12 @@ class EvalConfig:
     dual_chunk: DualChunkConfig = field(default_factory=DualChunkConfig)
     """Settings of the dual_chunk extension (eval.dual_chunk.*, the table below)."""
     probes: list[str] = field(default_factory=list)
-    """Zero-shot probes run after the loss curves, each under every extension: copy (a span
-    repeated at distance d, scored against a control; docs/probes.md), passkey (a key asked for at
-    the window's end; docs/retrieval.md). Empty = none."""
-    copy: CopyConfig = field(default_factory=CopyConfig)
-    """Settings of the copy probe (eval.copy.*, the table below)."""
-    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
-    """Settings of the passkey evaluation (eval.passkey.*, the table below)."""
+    """Zero-shot probes run after the loss curves, each under every extension, by name: registered
+    probes (posbench/evaluation/probes/), each with its settings as the section ``eval.<name>``.
+    Empty = none."""
+    probe_settings: dict[str, Any] = field(default_factory=dict, metadata={"sections": True})
+    """Not a key: each probe's ``eval.<name>`` section, as given (:func:`eval_settings`), built into
+    its settings by :func:`posbench.evaluation.probes.probe_settings` (the defaults where absent)."""
 
     def validate(self) -> None:
         if not self.lengths or any(
@@ -261,6 +197,10 @@ class EvalConfig:
                                 "choose one of all, global, local, rope")
         # Extension names are checked by posbench.model.extension.check_names (it owns them), probe
         # names and their settings by the probe registry (posbench.evaluation.probes.configure_probes).
+
+    def section(self, name: str) -> Any:
+        """Probe ``name``'s ``eval.<name>`` section as given (a settings object or a mapping), or None."""
+        return self.probe_settings.get(name)
 
     def extension_options(self) -> dict[str, Any]:
         """The settings of the extensions that take some, by extension name (validated)."""
@@ -285,3 +225,36 @@ class EvalConfig:
                 f"headline {train_context}-{2 * train_context} band cannot be measured; add it, e.g. "
                 f"eval.lengths=[{','.join(map(str, sorted(set(self.lengths) | {2 * train_context})))}]"
             )
+
+
+def eval_settings(values: dict[str, Any] | None, section: str = "eval") -> EvalConfig:
+    """The eval config section -> :class:`EvalConfig`, validated. A key that names a registered
+    probe (:data:`PROBE_SETTINGS`) is that probe's section, built and validated with its settings
+    dataclass; another mapping is kept as given for the probe registry to build or refuse (its
+    probe module may not be imported yet); any other unknown key is refused."""
+    values = dict(values or {})
+    own = [f.name for f in dataclasses.fields(EvalConfig) if f.name != "probe_settings"]
+    sections = {}
+    for name in [k for k in values if k not in own and (k in PROBE_SETTINGS or isinstance(values[k], dict))]:
+        given = values.pop(name)
+        if not isinstance(given, dict):
+            raise PosbenchError(f"{section}.{name} must be a mapping of settings, got {given!r}")
+        sections[name] = from_section(PROBE_SETTINGS[name], f"{section}.{name}", given) if name in PROBE_SETTINGS \
+            else given
+    unknown = sorted(set(values) - set(own))
+    if unknown:
+        raise PosbenchError(f"unknown option(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
+                            f"known: {', '.join([*own, *PROBE_SETTINGS])}")
+    return dataclasses.replace(from_section(EvalConfig, section, values), probe_settings=sections)
+
+
+def eval_defaults(value: Any = ...) -> dict[str, Any]:
+    """The eval section's keys with their defaults, a probe's section each (Hydra's ConfigStore
+    node ``eval_settings``); with ``value``, every leaf is that value instead (``posbench eval``'s
+    ``eval_overrides``: null = the run's own)."""
+    def leaves(node: dict[str, Any]) -> dict[str, Any]:
+        return {k: leaves(v) if isinstance(v, dict) else value for k, v in node.items()}
+
+    node = {k: v for k, v in dataclasses.asdict(EvalConfig()).items() if k != "probe_settings"}
+    node.update({name: dataclasses.asdict(cls()) for name, cls in PROBE_SETTINGS.items()})
+    return node if value is ... else leaves(node)

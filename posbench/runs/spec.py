@@ -19,7 +19,7 @@ from posbench.config import check_top_level_keys, config_names, load_group_optio
 from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig
-from posbench.evaluation.settings import EvalConfig
+from posbench.evaluation.settings import EvalConfig, eval_settings
 from posbench.methods import ModelDims, PositionMethod, build_method, method_class, method_options, saved_options
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.model.positions import randomize_max_from_config
@@ -139,7 +139,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     data was chosen when it started: ``data.path`` is checked only for new runs."""
     check_top_level_keys(cfg, "train")
     trainer = from_section(TrainerConfig, "trainer", OmegaConf.to_container(cfg.trainer, resolve=True))
-    evaluation = from_section(EvalConfig, "eval", OmegaConf.to_container(cfg.eval, resolve=True))
+    evaluation = eval_settings(OmegaConf.to_container(cfg.eval, resolve=True))
     check_names(evaluation.extension)
     model = model_config(cfg.model)
     method = MethodSpec.from_config(cfg.method)

@@ -1,7 +1,9 @@
 """Adding a probe touches its module, its config and its tests, nothing else (docs/adding-a-probe.md):
 a probe defined here and registered through the public registry is run by ``eval.probes`` at the
 end of training and by ``posbench eval``, its entries are merged, summarised for the tracker and
-drawn by its figure hook, with no other edit."""
+drawn by its figure hook, and its settings are the section ``eval.<name>`` of the eval config
+(``eval.<name>.<key>=`` on the command line of ``posbench train`` and ``posbench eval``), with no
+other edit."""
 
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ def registered():
     finally:
         unregister_probe(NAME)
     assert NAME not in list_probes()
+    assert NAME not in compose_config("train", []).eval  # its section leaves the eval config with it
 
 
 def test_a_registered_probe_is_listed_and_refused_names_list_it(registered) -> None:
@@ -111,6 +114,22 @@ def test_a_registered_probe_is_listed_and_refused_names_list_it(registered) -> N
         configure_probes(from_section(EvalConfig, "eval", {"probes": [NAME]}), 64)  # the probe's own check
 
 
+def test_a_registered_probe_s_settings_are_a_section_of_the_eval_config(registered) -> None:
+    """``eval.<name>.<key>=`` composes, is validated with the eval section and reaches the probe;
+    ``posbench eval`` composes the section null (the run's own), with no line of configs/eval.yaml."""
+    from posbench.evaluation.settings import eval_settings
+    from posbench.runs.spec import build_spec
+
+    spec = build_spec(compose_config("train", [*QUICK_TRAIN, f"eval.probes=[{NAME}]", f"eval.{NAME}.num_windows=2"]))
+    assert probe_settings(spec.eval, NAME) == MeanLossSettings(num_windows=2)
+    again = compose_config("eval", ["run=x", f"eval.{NAME}.length=64"]).eval[NAME]
+    assert dict(again) == {"length": 64, "num_windows": None}
+    with pytest.raises(PosbenchError, match=f"eval.{NAME}.num_windows must be at least 1, got 0"):
+        eval_settings({NAME: {"num_windows": 0}})
+    with pytest.raises(PosbenchError, match=f"unknown option\\(s\\) eval.{NAME}.depth"):
+        eval_settings({NAME: {"depth": 1}})
+
+
 @pytest.mark.slow
 def test_a_registered_probe_runs_in_training_and_posbench_eval(registered, tmp_path) -> None:
     from posbench.commands.eval import evaluate_saved_run
@@ -119,10 +138,11 @@ def test_a_registered_probe_runs_in_training_and_posbench_eval(registered, tmp_p
 
     run_dir = tmp_path / "run"
     lines: list[str] = []
-    train(compose_config("train", [*QUICK_TRAIN, f"eval.probes=[{NAME}]", "eval.figures=true"]), run_dir, log=lines.append)
+    train(compose_config("train", [*QUICK_TRAIN, f"eval.probes=[{NAME}]", "eval.figures=true",
+                                   f"eval.{NAME}.num_windows=2"]), run_dir, log=lines.append)
     results = read_results(run_dir)
     (entry,) = results[NAME]
-    assert entry["extension"] == "none" and entry["num_windows"] == 3 and np.isfinite(entry["mean_loss"])
+    assert entry["extension"] == "none" and entry["num_windows"] == 2 and np.isfinite(entry["mean_loss"])
     assert any(line.startswith(f"{NAME}: ") for line in lines)
     assert probe_summaries(results) == {f"{NAME}/none": entry["mean_loss"]}
     assert (run_dir / "figures" / f"{NAME}.png").is_file()  # the figure hook, in the run's own figures
@@ -132,3 +152,8 @@ def test_a_registered_probe_runs_in_training_and_posbench_eval(registered, tmp_p
     again = read_results(run_dir)[NAME]
     assert [e["extension"] for e in again] == ["none", "window"]
     assert again[0]["mean_loss"] == entry["mean_loss"] and again[0]["checkpoint_step"] == 6
+    assert again[0]["num_windows"] == 2  # null in posbench eval: the run's own setting
+    # eval.<name>.<key>= in posbench eval: a measurement at other settings, beside the run's own.
+    evaluate_saved_run(compose_config("eval", [f"run={run_dir}", "probes_only=true", f"eval.probes=[{NAME}]",
+                                                f"eval.{NAME}.length=64"]), log=lambda _: None)
+    assert 64 in [e["length"] for e in read_results(run_dir)[NAME]]

@@ -2,7 +2,8 @@
 
 A probe is one module in this package: a :class:`Probe` subclass decorated with
 :func:`register_probe`, with its settings as a typed dataclass in the same module (read from the
-``eval.<name>`` config section). Every module here is imported, and so registered, with the
+``eval.<name>`` config section, which registering the probe adds to the eval config:
+:data:`posbench.evaluation.settings.PROBE_SETTINGS`). Every module here is imported, and so registered, with the
 package, alphabetically. The trainer (at the end of training) and ``posbench eval`` run the probes that
 ``eval.probes`` names through :func:`run_probes`, store each probe's entries under its
 ``results_key`` in results.json, merge re-evaluated entries with :meth:`Probe.merge` and log
@@ -22,6 +23,7 @@ from torch import nn
 from posbench.config.settings import from_section
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.probes.merge import merge_probe_entries
+from posbench.evaluation.settings import PROBE_SETTINGS
 from posbench.runs.results_types import Results
 
 
@@ -54,6 +56,8 @@ class Probe:
     :meth:`run`; :meth:`check`, :meth:`merge` and :meth:`summary` have defaults, ``report`` is optional."""
 
     name: str = ""
+    description: str = ""
+    """One line for listings (docs/configuration.md's ``eval.probes`` row is generated from it)."""
     settings: type = object
     results_key: str = ""
     report: str | None = None
@@ -95,12 +99,14 @@ def register_probe(cls: type[Probe]) -> type[Probe]:
     if cls.name in PROBES and type(PROBES[cls.name]) is not cls:
         raise ValueError(f"probe {cls.name!r} is already registered")
     PROBES[cls.name] = cls()
+    PROBE_SETTINGS[cls.name] = cls.settings  # eval.<name>: a section of the eval config
     return cls
 
 
 def unregister_probe(name: str) -> None:
     """Remove probe ``name`` (tests that register a throwaway probe)."""
     PROBES.pop(name, None)
+    PROBE_SETTINGS.pop(name, None)
 
 
 def list_probes() -> list[str]:
@@ -117,12 +123,12 @@ def get_probe(name: str) -> Probe:
 
 def probe_settings(evaluation: Any, name: str) -> Any:
     """Probe ``name``'s settings in ``evaluation`` (an :class:`posbench.evaluation.settings.EvalConfig`):
-    its ``eval.<name>`` section, built and validated with the eval section, or, for a probe the
-    eval section has no field for, the defaults of its settings dataclass."""
+    its ``eval.<name>`` section, built and validated with the eval section (or now, when it was
+    given before the probe was registered), else the defaults of its settings dataclass."""
     probe = get_probe(name)
-    section = getattr(evaluation, name, None)
-    if section is None:
-        section = from_section(probe.settings, f"eval.{name}", {})
+    section = evaluation.section(name)
+    if section is None or isinstance(section, dict):
+        section = from_section(probe.settings, f"eval.{name}", section or {})
     if not isinstance(section, probe.settings):
         raise PosbenchError(f"eval.{name} must be a mapping of {name} probe settings, got {section!r}")
     return section
@@ -137,6 +143,12 @@ def configure_probes(evaluation: Any, train_context: int, max_positions: int | N
         raise PosbenchError(f"eval.probes must be a list of probe names, got {evaluation.probes!r}")
     for name in evaluation.probes:
         get_probe(name)  # an unknown name is refused first, with the valid ones
+    unknown = sorted(set(evaluation.probe_settings) - set(PROBES))
+    if unknown:
+        raise PosbenchError(f"unknown option(s) {', '.join(f'eval.{n}' for n in unknown)}: not a probe's section; "
+                            f"the probes are {', '.join(PROBES)}")
+    for name in evaluation.probe_settings:
+        probe_settings(evaluation, name)  # every probe section given is valid, asked for or not
     for name in evaluation.probes:
         PROBES[name].check(probe_settings(evaluation, name), train_context)
         if max_positions is not None:

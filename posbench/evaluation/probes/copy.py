@@ -47,18 +47,19 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from posbench.config.settings import require_positive
 from posbench.core.errors import PosbenchError
 from posbench.evaluation.loss import score_rows
 from posbench.evaluation.probes import Probe, ProbeRun, register_probe
 from posbench.evaluation.probes.copy_windows import KINDS, REGIONS, Cell, make_windows, probe_cells
 from posbench.evaluation.probes.merge import merge_probe_entries
-from posbench.evaluation.settings import CopyConfig
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.model.extension import NONE, evaluation_order, extended, extension_options
 
@@ -76,8 +77,39 @@ REACH_DEFINITION = ("reach: the largest distance d such that the retrieval gain 
 NO_MATCHED = "no matched control (an entry written before it existed: sensitivity only)"
 
 
-# The settings are EvalConfig.copy (built with the eval section, before any work).
-CopySettings = CopyConfig
+@dataclass(frozen=True)
+class CopySettings:
+    """The copy probe's settings (eval.copy.*; docs/probes.md)."""
+
+    distances: list[int] = field(default_factory=lambda: [32, 64, 128, 192, 256, 320, 384, 512, 768])
+    """Distances d between the two occurrences of the span (each >= span)."""
+    span: int = 32
+    """k: tokens in the repeated span; k - 1 of them are scored."""
+    num_windows: int = 64
+    """Windows per (kind, distance, region), the same windows for every cell and every method;
+    at least 2 (for an interval)."""
+    kinds: list[str] = field(default_factory=lambda: ["random", "text"])
+    """random (ids uniform over the vocabulary: pure retrieval) and/or text (a held-out passage)."""
+    seed: int = 0
+    """Seeds the choice of passages and the random spans (never the model's seed)."""
+    split: str = "validation"
+    """validation or test: held-out text only."""
+
+    def validate(self) -> None:
+        s = "eval.copy"
+        require_positive(s, span=self.span, num_windows=self.num_windows)
+        if self.span < 2:
+            raise PosbenchError(f"eval.copy.span must be at least 2 (one token is not scored), got {self.span}")
+        if self.num_windows < 2:
+            raise PosbenchError(f"eval.copy.num_windows must be at least 2 (for an interval), got {self.num_windows}")
+        if not self.distances or any(isinstance(d, bool) or not isinstance(d, int) or d < self.span
+                                     for d in self.distances):
+            raise PosbenchError(f"eval.copy.distances must be integers >= eval.copy.span={self.span}, "
+                                f"got {self.distances}")
+        if not self.kinds or any(k not in KINDS for k in self.kinds):
+            raise PosbenchError(f"eval.copy.kinds must be a non-empty list of {', '.join(KINDS)}, got {self.kinds}")
+        if self.split not in ("validation", "test"):
+            raise PosbenchError(f"eval.copy.split must be validation or test (held-out text), got {self.split!r}")
 
 
 def cell_losses(model: nn.Module, windows: torch.Tensor, cell: Cell, batch_size: int, device: torch.device,
@@ -276,6 +308,7 @@ class CopyProbe(Probe):
     """``eval.probes=[copy]``: entries under results.json ``probes``."""
 
     name = "copy"
+    description = "a span repeated at distance d, scored against a matched control; docs/probes.md"
     settings = CopySettings
     results_key = "probes"
     report = "posbench.report.probes"

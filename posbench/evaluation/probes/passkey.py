@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -42,7 +42,6 @@ from posbench.core.errors import PosbenchError
 from posbench.data.retrieval import KEY_DIGITS, PasskeyText
 from posbench.evaluation.loss import inference
 from posbench.evaluation.probes import Probe, ProbeRun, register_probe
-from posbench.evaluation.settings import PasskeyConfig
 from posbench.evaluation.stats import bootstrap_interval
 from posbench.model.extension import NONE, evaluation_order, extended, extension_options
 
@@ -52,8 +51,35 @@ CHANCE = 10.0 ** -KEY_DIGITS  # guessing a key of uniform digits
 CHANCE_LOGPROB = math.log(CHANCE)
 
 
-# The settings are EvalConfig.passkey (built with the eval section, before any work).
-PasskeySettings = PasskeyConfig
+@dataclass(frozen=True)
+class PasskeySettings:
+    """The passkey evaluation's settings (eval.passkey.*; docs/retrieval.md)."""
+
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
+    """Window lengths L of the passkey evaluation (``eval.probes=[passkey]``, docs/retrieval.md);
+    the question and its answer end the window."""
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """Where the key sentence starts, as a fraction of the room before the question (0: the
+    window's start, farthest from the question; 1: right before it)."""
+    num_windows: int = 32
+    """Windows per (length, depth): the same haystacks and keys in every cell and for every method."""
+    seed: int = 0
+    """Seeds the haystacks and the keys (never the model's seed)."""
+    split: str = "validation"
+    """validation or test: held-out text only."""
+
+    def validate(self) -> None:
+        s = "eval.passkey"
+        if self.num_windows < 2:
+            raise PosbenchError(f"{s}.num_windows must be at least 2 (for an interval), got {self.num_windows}")
+        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.lengths):
+            raise PosbenchError(f"{s}.lengths must be integers >= 64 (room for the key and the question), "
+                                f"got {self.lengths}")
+        if not self.depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1
+                                  for d in self.depths):
+            raise PosbenchError(f"{s}.depths must be numbers in [0, 1], got {self.depths}")
+        if self.split not in ("validation", "test"):
+            raise PosbenchError(f"{s}.split must be validation or test (held-out text), got {self.split!r}")
 
 
 @dataclass
@@ -246,6 +272,7 @@ class PasskeyProbe(Probe):
     """``eval.probes=[passkey]``: entries under results.json ``passkey``."""
 
     name = "passkey"
+    description = "a key asked for at the window's end, by depth x length; docs/retrieval.md"
     settings = PasskeySettings
     results_key = "passkey"
     report = "posbench.report.passkey"

@@ -8,7 +8,8 @@ of the keys must be what the YAML gave. One deliberate change was recorded since
 come first in its composed config (they are composed before viz.yaml's own keys), and its
 ``decay.bases`` read as the floats they are validated into. Later additions, recorded with
 ``--write``: ``eval.figures`` (true) in train and eval; ``eval.extension_scope`` (all; null in eval, the
-run's own).
+run's own); ``kind`` (null) in train; in eval, the eval section composed from the settings (null,
+``eval_overrides``) in their field order, each probe's section after ``probes`` (the values unchanged).
 
     python tests/unit/config/test_composed_configs.py --write   # record the expectation again (after a deliberate change)
 """
@@ -45,6 +46,7 @@ def composed(command: str, overrides: list[str]) -> str:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    import posbench.evaluation.probes  # noqa: F401  (the probes' eval.<name> sections, as the CLI registers them)
     from posbench.config import config_dir
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -381,11 +381,9 @@ def test_the_probe_reads_held_out_text_only() -> None:
             self.asked.append(split)
             return stream()
 
-    from posbench.config.settings import from_section
-    from posbench.evaluation.settings import EvalConfig
+    from posbench.evaluation.settings import eval_settings
 
-    evaluation = from_section(EvalConfig, "eval", {"probes": ["copy"], "copy": {"distances": [8, 40], "span": K,
-                                                                                "num_windows": 4}})
+    evaluation = eval_settings({"probes": ["copy"], "copy": {"distances": [8, 40], "span": K, "num_windows": 4}})
     prepared = Prepared()
     model = posbench.create_model("rope", flavour="tiny", vocab_size=V).eval()
     configure_probes(evaluation, C)
@@ -394,8 +392,8 @@ def test_the_probe_reads_held_out_text_only() -> None:
     with pytest.raises(PosbenchError, match="held-out"):
         copy_probe(model, stream(), C, vocab_size=V, special_ids=[0], span=K, distances=[8], split="train")
     with pytest.raises(PosbenchError, match="eval.copy.split"):
-        configure_probes(from_section(EvalConfig, "eval", {"copy": {"split": "train"}}), C)
-    nothing = from_section(EvalConfig, "eval", {})
+        configure_probes(eval_settings({"copy": {"split": "train"}}), C)
+    nothing = eval_settings({})
     configure_probes(nothing, C)
     assert run_probes(model, prepared, nothing, ProbeRun.of(nothing, C)) == {}
 
@@ -405,13 +403,12 @@ def test_the_probe_reads_held_out_text_only() -> None:
                                            ({"num_windows": 1}, "eval.copy.num_windows"),
                                            ({"bogus": 1}, "eval.copy.bogus")])
 def test_bad_copy_settings_are_refused(copy, message) -> None:
-    from posbench.config.settings import from_section
-    from posbench.evaluation.settings import EvalConfig
+    from posbench.evaluation.settings import eval_settings
 
     with pytest.raises(PosbenchError, match=message):
-        configure_probes(from_section(EvalConfig, "eval", {"copy": copy}), C)
+        configure_probes(eval_settings({"copy": copy}), C)
     with pytest.raises(PosbenchError, match="unknown eval.probes entry 'nonsense'; choose from copy, passkey"):
-        configure_probes(from_section(EvalConfig, "eval", {"probes": ["nonsense"]}), C)
+        configure_probes(eval_settings({"probes": ["nonsense"]}), C)
 
 
 def test_merge_keeps_other_probe_entries() -> None:

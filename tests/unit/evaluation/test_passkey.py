@@ -153,12 +153,11 @@ def test_the_evaluation_reads_held_out_text_only(prepared) -> None:
     ({"window": 3}, "unknown option.*eval.passkey.window"),
 ])
 def test_bad_passkey_settings_are_refused(passkey, message) -> None:
-    from posbench.config.settings import from_section
     from posbench.evaluation.probes import configure_probes
-    from posbench.evaluation.settings import EvalConfig
+    from posbench.evaluation.settings import eval_settings
 
     with pytest.raises(PosbenchError, match=message):
-        configure_probes(from_section(EvalConfig, "eval", {"probes": ["passkey"], "passkey": passkey}), 256)
+        configure_probes(eval_settings({"probes": ["passkey"], "passkey": passkey}), 256)
 
 
 def test_entries_merge_like_probe_entries() -> None:
