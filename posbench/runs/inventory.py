@@ -27,9 +27,9 @@ from typing import Any
 from posbench.core.errors import PosbenchError
 from posbench.runs.checkpoint import list_checkpoints
 from posbench.runs.entries import headline_entries
-from posbench.runs.results import _run_dirs_under, read_config, read_metrics
+from posbench.runs.results import RESULTS_FILE, read_results
+from posbench.runs.run_record import _run_dirs_under, read_config, read_metrics
 from posbench.runs.rundir import RunLock
-from posbench.runs.schema import RESULTS_FILE, read_results
 from posbench.runs.status import read_refusal, read_status
 
 SWEEP_FILE = "multirun.yaml"  # Hydra writes it at the top of every sweep

@@ -167,7 +167,7 @@ def test_the_budget_swaps_over_three_seeds_are_the_cpu_quick_runs():
     """fidelity.md's 3-seed check of the five swaps, recomputed from the committed runs."""
     from posbench.evaluation.stats import paired_difference
     from posbench.report.compare import run_values
-    from posbench.runs.results import discover_runs
+    from posbench.runs.run_record import discover_runs
 
     methods = {"rope", "t5", "alibi", "relative", "nope", "learned", "sinusoidal"}
     runs, _ = discover_runs([ROOT / f"docs/cpu_quick/runs/{m}-s{s}" for m in methods for s in (0, 1, 2)])

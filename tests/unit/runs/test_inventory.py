@@ -4,10 +4,10 @@ band, a task run's verdict at C, a run without a status, a folder that is not on
 from __future__ import annotations
 
 import pytest
-from posbench.runs.schema import build_results, write_results
 
 from posbench.core.errors import PosbenchError
 from posbench.runs.inventory import list_runs, run_state
+from posbench.runs.results import build_results, write_results
 from posbench.runs.status import write_status
 
 TRAIN = {"tokens": 6400, "steps": 20, "final_loss": 2.5, "tokens_per_second": 1e4, "wall_seconds": 1.0, "device": "cpu"}
