@@ -187,6 +187,7 @@ class TrainRecord(TypedDict):
     world_size: NotRequired[int]  # processes that trained
     resumed_from_step: NotRequired[int | None]  # the step the last segment resumed from (None: none)
     validation_windows: NotRequired[dict[str, int]]  # in-training validation sets: metrics key -> windows
+    state_passing: NotRequired[dict[str, Any]]  # trainer.state_passing when on: {mode, noise}
 
 
 class EvaluatedRun(TypedDict):

@@ -39,6 +39,8 @@ class FinalEvaluation:
                 # The in-training validation subsets (metrics.jsonl keys -> windows; see validation_sets).
                 "validation_windows": {name: int(rows.shape[0]) for name, rows in self.val_sets.items()},
             }
+            if self.state_passing.active:
+                train["state_passing"] = self.state_passing.record()
             results["train"] = train
             results["run_name"] = spec.run_name
             results["method"] = self.train_positions.label  # rope+rand2048 stays apart from rope in tables

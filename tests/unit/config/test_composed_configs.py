@@ -7,7 +7,8 @@ Hydra through its ConfigStore; every key, its value, its type (``30`` stays an i
 of the keys must be what the YAML gave. One deliberate change was recorded since: viz's settings
 come first in its composed config (they are composed before viz.yaml's own keys), and its
 ``decay.bases`` read as the floats they are validated into. Later additions, recorded with
-``--write``: ``eval.figures`` (true) in train and eval.
+``--write``: ``eval.figures`` (true) in train and eval; ``model.mixer`` (attention),
+``model.mixer_options`` (null), ``trainer.state_passing`` (off) and ``trainer.state_noise`` (1.0).
 
     python tests/unit/config/test_composed_configs.py --write   # record the expectation again (after a deliberate change)
 """
