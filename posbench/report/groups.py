@@ -94,7 +94,8 @@ def run_facets(run: RunRecord) -> dict[str, Any]:
     train = run.results["train"]
     facets["steps"], facets["tokens"] = train.get("steps", ABSENT), train.get("tokens", ABSENT)
     if train.get("state_passing"):  # a recurrent model trained from carried or noised states
-        facets["trainer.state_passing"] = ",".join(f"{k}={v}" for k, v in sorted(train["state_passing"].items()))
+        passing = train["state_passing"]
+        facets["trainer.state_passing"] = passing["mode"] + (f"({passing['noise']})" if "noise" in passing else "")
     trainer = run.config.get("trainer") or {}
     facets.update({f"trainer.{name}": trainer.get(name, ABSENT) for name in RESULT_SETTINGS
                    if name not in ("context", "precision")})  # the context is C; precision resolved:
