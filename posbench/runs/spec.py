@@ -21,7 +21,7 @@ from posbench.core.errors import PosbenchError
 from posbench.data import DataConfig
 from posbench.evaluation.settings import EvalConfig
 from posbench.methods import ModelDims, PositionMethod, build_method, method_class, method_options, saved_options
-from posbench.model.extension import NONE, check_names, resolve_extensions
+from posbench.model.extension import check_names, resolve_extensions
 from posbench.model.positions import randomize_max_from_config
 from posbench.model.transformer import ModelConfig
 from posbench.tasks import Task, make_task
@@ -165,11 +165,9 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     model = replace(model, layout=check_layout(probe, task))
     if task is not None:  # an image task's patch embedding and pooled head (docs/images.md)
         model = replace(model, patch_dim=task.patch_dim, head=task.head)
-    if not model.has_attention:
-        evaluation = replace(evaluation, extension=recurrent_extensions(evaluation.extension, model))
     # Refused (or skipped with a line) now, not after training; on the grid only the per-axis rules.
     evaluation = replace(evaluation, extension=resolve_extensions(evaluation.extension, probe, log=logger.info,
-                                                                  layout=model.layout))
+                                                                  layout=model.layout, attention=model.has_attention))
     if task is not None and data.retrieval.active:
         raise PosbenchError(f"data.retrieval writes into text windows, and task={task.name} runs have none; "
                             "drop data.retrieval.rate")
@@ -183,18 +181,6 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
         raise PosbenchError(f"seed={seed}: a task run's seed must be >= 0 (it seeds the training sequences)")
     return RunSpec(trainer, evaluation, model, method, data, seed,
                    str(cfg.get("run_name", f"{method.name}-s{seed}")), task, task_options)
-
-
-def recurrent_extensions(requested: list[str], model: ModelConfig) -> list[str]:
-    """``eval.extension`` of a model without attention: every extension changes attention (its
-    positions, logits or window), so ``all`` is only ``none`` and a named one is refused."""
-    asked = [name for name in requested if name != NONE]
-    if asked and asked != ["all"]:
-        raise PosbenchError(f"eval.extension={','.join(asked)} changes attention, and model.mixer={model.mixer} has "
-                            "no attention layer; use eval.extension=none")
-    if asked:
-        logger.info("eval.extension=all: no extension applies to a model without attention; evaluating none")
-    return [NONE]
 
 
 def is_grid_task(section: Any) -> bool:

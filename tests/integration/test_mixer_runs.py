@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import QUICK_TASK, compose_config, posbench_cli, run_train
+from helpers import QUICK_TASK, compose_config, posbench_cli, run_eval, run_train
 
 from posbench.core.errors import PosbenchError
 from posbench.runs.checkpoint import list_checkpoints, read_checkpoint
@@ -76,6 +76,11 @@ def test_a_recurrent_model_takes_no_extension(tmp_path):
     nothing but the time spent): ``all`` evaluates the plain model only."""
     results = run_train(tmp_path, *GDN, "eval.extension=all")
     assert {e["extension"] for e in results["eval"]} == {"none"}
+    # posbench eval of the saved run: the same rule (it evaluated window and log_scaling entries)
+    again = run_eval(tmp_path, "eval.lengths=[128]", "eval.num_sequences=2", "eval.extension=all")
+    assert {(e["length"], e["extension"]) for e in again["eval"]} == {(64, "none"), (128, "none")}
+    with pytest.raises(PosbenchError, match="no attention layer"):
+        run_eval(tmp_path, "eval.lengths=[128]", "eval.num_sequences=2", "eval.extension=[window]")
 
 
 @pytest.mark.slow
@@ -92,7 +97,7 @@ def test_task_runs_train_a_recurrent_model(tmp_path, task):
     (["method=rope", "trainer.state_passing=carry"], "has none; set model.mixer"),
     (["method=nope", "model.mixer=mamba2", "task=flipflop", "trainer.state_passing=carry"], "are independent"),
     (["method=nope", "model.mixer=mamba2", "trainer.state_passing=always"], "must be one of off, carry, noise"),
-    (["method=nope", "model.mixer=mamba2", "eval.extension=[window]"], "no attention layer; use eval.extension=none"),
+    (["method=nope", "model.mixer=mamba2", "eval.extension=[window]"], "no attention layer .model.mixer.; use eval"),
 ])
 def test_bad_combinations_are_refused_before_training(tmp_path, overrides, match):
     with pytest.raises(PosbenchError, match=match):
