@@ -23,7 +23,7 @@ from posbench.evaluation.settings import EvalConfig
 from posbench.methods import ModelDims, PositionMethod, build_method, method_class, method_options, saved_options
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.model.positions import randomize_max_from_config
-from posbench.model.transformer import ModelConfig
+from posbench.model.transformer import ModelConfig, check_mixer_method
 from posbench.tasks import Task, make_task
 from posbench.tasks.base import task_class
 from posbench.train.settings import TrainerConfig
@@ -145,6 +145,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     # Build the method once on the meta device: shape problems (odd rope head dim, bad options)
     # are reported now rather than after the data is tokenized.
     probe = method.probe(model.dims)
+    check_mixer_method(model, method.name)  # before the data is prepared
     randomize_max_from_config(cfg, probe, trainer.context, probe.max_positions)  # randomized positions
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
