@@ -102,7 +102,7 @@ def evaluate_saved_run(cfg: DictConfig, log: Callable[[str], None] = logger.info
         prepared = tokenize_with(prepared, other.validate(), log=log)
         source = str(other_path)
     extensions = resolve_extensions(evaluation.extension, run.model.position, log=log,
-                                    scope=evaluation.extension_scope)
+                                    scope=evaluation.extension_scope, attention=run.model.cfg.has_attention)
     amp_dtype = autocast_dtype(eval_precision(cfg, run), device)
     precision = precision_name(amp_dtype)  # what it resolved to here (auto -> bf16 or fp32)
     reuse = {} if replace or other_path else reusable_plain_entries(run, evaluation.split, precision)
@@ -164,8 +164,8 @@ def saved_run_probes(run: Run, prepared: Any, evaluation: Any, device: torch.dev
     ``{results.json key: entries}``."""
     if not evaluation.probes:
         return {}
-    evaluation = dataclasses.replace(evaluation, extension=resolve_extensions(evaluation.extension, run.model.position,
-                                                                              log=lambda _: None,
-                                                                              scope=evaluation.extension_scope))
+    evaluation = dataclasses.replace(evaluation, extension=resolve_extensions(
+        evaluation.extension, run.model.position, log=lambda _: None, scope=evaluation.extension_scope,
+        attention=run.model.cfg.has_attention))
     train_context = int(run.config.trainer.context)
     return run_probes(run.model, prepared, evaluation, ProbeRun.of(evaluation, train_context, device, amp_dtype, log))

@@ -25,11 +25,17 @@ class TrainBatches:
     ``insert`` (optional, e.g. :class:`posbench.data.retrieval.Inserter`) is called with the
     int64 rows ``(B, context + 1)`` and their global sample indices before they become
     tensors, and may write into the rows; without it the rows are the stream's tokens.
+
+    ``streams`` (state passing, docs/mixers.md): no shuffling; the windows are cut into
+    ``batch_size`` contiguous lanes of ``S = num_windows // batch_size`` windows, and row i of
+    step s is window ``i * S + s % S``, so row i of step s + 1 continues row i of step s, except
+    when a lane starts over (:meth:`starts_streams`).
     """
 
     def __init__(self, tokens: np.ndarray, context: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, device: str | torch.device | None = None,
-                 pin_memory: bool = False, insert: Callable[[np.ndarray, np.ndarray], None] | None = None):
+                 pin_memory: bool = False, insert: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                 streams: bool = False):
         if context < 1 or batch_size < 1:
             raise PosbenchError(f"context={context} and batch_size={batch_size} must be positive")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -51,6 +57,11 @@ class TrainBatches:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._offsets = np.arange(context + 1, dtype=np.int64)
         self._perms: dict[int, np.ndarray] = {}
+        self.streams = streams
+        if streams and self.num_windows // batch_size < 2:
+            raise PosbenchError(f"trainer.state_passing=carry cuts the training split into {batch_size} streams, "
+                                f"and its {self.num_windows} windows give fewer than 2 windows each; lower "
+                                "trainer.batch_size or use more training data")
 
     @property
     def steps_per_epoch(self) -> int:
@@ -77,8 +88,15 @@ class TrainBatches:
             raise ValueError(f"step must be >= 0, got {step}")
         return step * self.batch_size + np.arange(self.rank, self.batch_size, self.world_size, dtype=np.int64)
 
+    def starts_streams(self, step: int) -> bool:
+        """Whether the rows of global ``step`` start their streams afresh (always, without ``streams``)."""
+        return not self.streams or step % self.steps_per_epoch == 0
+
     def windows(self, step: int) -> np.ndarray:
         """Window indices of this rank's rows at global ``step``."""
+        if self.streams:  # lane i, its (step mod S)-th window
+            rows = np.arange(self.rank, self.batch_size, self.world_size, dtype=np.int64)
+            return rows * self.steps_per_epoch + step % self.steps_per_epoch
         samples = self.samples(step)
         epochs, positions = np.divmod(samples, self.num_windows)
         out = np.empty(len(samples), dtype=np.int64)

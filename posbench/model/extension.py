@@ -323,7 +323,8 @@ def check_names(requested: Sequence[str] | str) -> None:
 
 
 def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMethod | type[PositionMethod],
-                       log: Callable[[str], object] = print, layout: str = "sequence", scope: str = "all") -> list[str]:
+                       log: Callable[[str], object] = print, layout: str = "sequence", scope: str = "all",
+                       attention: bool = True) -> list[str]:
     """The extensions of ``eval.extension`` to evaluate for ``method`` (a name, a method or its
     class) on a model of ``layout``, always ``none`` first (the plain evaluation every extension
     is compared with).
@@ -332,6 +333,8 @@ def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMet
     extension applies when it reaches a layer of that type (:mod:`posbench.model.layer_scope`).
     ``all`` means every extension that applies. A named extension that does not apply is skipped
     with one line; when only such extensions were asked for, the request is refused.
+    ``attention=False`` (a recurrent model, docs/mixers.md): every extension changes attention
+    (its positions, logits or window), so ``all`` is ``none`` alone and a named one is refused.
     """
     names = [str(n) for n in ([requested] if isinstance(requested, str) else requested)]
     check_scope(scope)
@@ -339,6 +342,14 @@ def resolve_extensions(requested: Sequence[str] | str, method: str | PositionMet
     def applies(ext: Extension) -> bool:
         return ext.applies(method, layout) if scope == "all" else reaches(ext, method, scope)
 
+    if not attention:
+        asked = [name for name in names if name != NONE]
+        if asked and asked != ["all"]:
+            raise PosbenchError(f"eval.extension={','.join(asked)} changes attention, and this model has no "
+                                "attention layer (model.mixer); use eval.extension=none")
+        if asked:
+            log("eval.extension=all: no extension applies to a model without attention layers; evaluating none")
+        return [NONE]
     chosen: list[str] = [NONE]
     refused: list[str] = []
     for name in names:

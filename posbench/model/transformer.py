@@ -306,9 +306,7 @@ class Transformer(nn.Module):
                 f"method={method.name} is not made for the {cfg.layout} layout; "
                 f"choose a {cfg.layout} method ({', '.join(_methods_for(cfg.layout))})"
             )
-        if not cfg.has_attention and method.name != "nope":
-            raise PosbenchError(f"model.mixer={cfg.mixer!r} has no attention layer for method={method.name} to "
-                                "enter; use method=nope (a recurrent model takes no position method)")
+        check_mixer_method(cfg, method.name)
         self.cfg = cfg
         self.position = method
         if cfg.patch_dim is None:
@@ -424,6 +422,13 @@ class Transformer(nn.Module):
             if not self.cfg.tie_embeddings:
                 total -= self.lm_head.weight.numel()
         return total
+
+
+def check_mixer_method(cfg: ModelConfig, method: str) -> None:
+    """A model without attention layers takes no position method: only ``nope``."""
+    if not cfg.has_attention and method != "nope":
+        raise PosbenchError(f"model.mixer={cfg.mixer!r} has no attention layer for method={method} to "
+                            "enter; use method=nope (a recurrent model takes no position method)")
 
 
 def _methods_for(layout: str) -> list[str]:

@@ -93,6 +93,9 @@ def run_facets(run: RunRecord) -> dict[str, Any]:
     facets["C"] = run.train_context
     train = run.results["train"]
     facets["steps"], facets["tokens"] = train.get("steps", ABSENT), train.get("tokens", ABSENT)
+    if train.get("state_passing"):  # a recurrent model trained from carried or noised states
+        passing = train["state_passing"]
+        facets["trainer.state_passing"] = passing["mode"] + (f"({passing['noise']})" if "noise" in passing else "")
     trainer = run.config.get("trainer") or {}
     facets.update({f"trainer.{name}": trainer.get(name, ABSENT) for name in RESULT_SETTINGS
                    if name not in ("context", "precision")})  # the context is C; precision resolved:
@@ -143,15 +146,15 @@ def _label_facets(facets: Sequence[dict[str, Any]]) -> list[list[str]]:
     return [differ, full]
 
 
-SHOWN_FACETS = ("model.attention_window", "model.mixer", "data.retrieval")
+SHOWN_FACETS = ("model.attention_window", "model.mixer", "trainer.state_passing", "data.retrieval")
 """Facets a label always shows when set (not None, not attention), whatever the other groups: a
 windowed run is another model (the window baseline), never just ``rope`` because no plain rope run
 is beside it; a recurrent or hybrid model (``model.mixer``) is never named as its method alone
-(``nope[model.mixer=mamba2]``); a run trained with retrievable content (``data.retrieval``) is never
+(``nope[model.mixer=mamba2]``), nor one trained with state passing as one without; a run trained with retrievable content (``data.retrieval``) is never
 pooled or named as plain."""
 _NOT_SET = (None, ABSENT, "attention")
 
-OFF_WHEN_ABSENT = ("data.retrieval",)
+OFF_WHEN_ABSENT = ("data.retrieval", "trainer.state_passing")
 """Facets a run without them has switched off (None, shown ``none``), rather than not recorded."""
 
 

@@ -189,6 +189,7 @@ class TrainRecord(TypedDict):
     resumed_from_step: NotRequired[int | None]  # the step the last segment resumed from (None: none)
     validation_windows: NotRequired[dict[str, int]]  # in-training validation sets: metrics key -> windows
     position_dropped_after_step: NotRequired[int]  # method=drope: steps trained with method.base before the drop
+    state_passing: NotRequired[dict[str, Any]]  # trainer.state_passing when on: {mode, noise}
 
 
 class EvaluatedRun(TypedDict):

@@ -90,6 +90,8 @@ def check_resumable(state: dict[str, Any], spec: RunSpec, total_steps: int, run_
     # Randomized positions change every training batch: "off" on both sides for runs without them.
     theirs["positions.randomize_max"] = (saved.get("positions") or {}).get("randomize_max") or "off"
     ours["positions.randomize_max"] = randomize_max or "off"
+    theirs["trainer.state_passing"] = saved.get("trainer", {}).get("state_passing") or "off"  # off before it existed
+    ours["trainer.state_passing"] = spec.trainer.state_passing
     for name, value in identity.items():  # checkpoints from before data_identity have none
         theirs[f"data.{name}"], ours[f"data.{name}"] = state.get("data_identity", {}).get(name), value
     differs = [key for key, value in theirs.items() if value is not None and value != ours[key]]

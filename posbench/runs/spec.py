@@ -23,7 +23,7 @@ from posbench.evaluation.settings import EvalConfig, eval_settings
 from posbench.methods import ModelDims, PositionMethod, build_method, method_class, method_options, saved_options
 from posbench.model.extension import check_names, resolve_extensions
 from posbench.model.positions import randomize_max_from_config
-from posbench.model.transformer import ModelConfig
+from posbench.model.transformer import ModelConfig, check_mixer_method
 from posbench.runs.kinds import TASK, TEXT, config_kind
 from posbench.tasks import Task, make_task
 from posbench.tasks.base import task_class
@@ -148,6 +148,7 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
     # Build the method once on the meta device: shape problems (odd rope head dim, bad options)
     # are reported now rather than after the data is tokenized.
     probe = method.probe(model.dims)
+    check_mixer_method(model, method.name)  # before the data is prepared
     randomize_max_from_config(cfg, probe, trainer.context, probe.max_positions)  # randomized positions
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -174,11 +175,17 @@ def build_spec(cfg: DictConfig, saved: bool = False) -> RunSpec:
         model = replace(model, patch_dim=task.patch_dim, head=task.head)
     # Refused (or skipped with a line) now, not after training; on the grid only the per-axis rules.
     evaluation = replace(evaluation, extension=resolve_extensions(evaluation.extension, probe, log=logger.info,
-                                                                  layout=model.layout,
-                                                                  scope=evaluation.extension_scope))
+                                                                  layout=model.layout, scope=evaluation.extension_scope,
+                                                                  attention=model.has_attention))
     if task is not None and data.retrieval.active:
         raise PosbenchError(f"data.retrieval writes into text windows, and task={task.name} runs have none; "
                             "drop data.retrieval.rate")
+    if task is not None and trainer.state_passing == "carry":
+        raise PosbenchError(f"trainer.state_passing=carry continues streams of text, and task={task.name} sequences "
+                            "are independent; use trainer.state_passing=noise or off")
+    if trainer.state_passing != "off" and not model.recurrent:
+        raise PosbenchError(f"trainer.state_passing={trainer.state_passing} passes the state of recurrent layers, and "
+                            "this model has none; set model.mixer (docs/mixers.md) or trainer.state_passing=off")
     if task is not None and seed < 0:  # the run seed is a word of the task's numpy seed
         raise PosbenchError(f"seed={seed}: a task run's seed must be >= 0 (it seeds the training sequences)")
     kind = config_kind(cfg)

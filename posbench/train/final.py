@@ -41,6 +41,8 @@ class FinalEvaluation:
             }
             if raw_model.position.switched_at_step is not None:  # drope: the step its positions were dropped after
                 train["position_dropped_after_step"] = raw_model.position.switched_at_step
+            if self.state_passing.active:
+                train["state_passing"] = self.state_passing.record()
             results["train"] = train
             results["run_name"] = spec.run_name
             results["method"] = self.train_positions.label  # rope+rand2048 stays apart from rope in tables

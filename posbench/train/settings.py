@@ -20,6 +20,7 @@ RESULT_SETTINGS = ("context", "batch_size", "lr", "min_lr_ratio", "warmup_steps"
                    "beta1", "beta2", "grad_clip", "precision")
 
 
+STATE_PASSING = ("off", "carry", "noise")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture CUDA graphs
 
@@ -111,6 +112,15 @@ class TrainerConfig:
     tokens/s of the last logged step K (``-`` before the first one); 0 = a line every 5 % of the
     steps instead."""
 
+    state_passing: str = "off"
+    """What each training window of a recurrent model (``model.mixer``, docs/mixers.md) starts
+    from: off (the zero state) | carry (the final state of the previous window of the same stream:
+    the batch becomes ``batch_size`` contiguous streams of the training text, row i of a step
+    continuing row i of the step before; Buitrago & Gu 2025) | noise (Gaussian noise of std
+    ``state_noise`` in every recurrent state, shuffled windows as usual)."""
+    state_noise: float = 1.0
+    """Standard deviation of the noise of ``state_passing=noise``."""
+
     def validate(self) -> None:
         s = "trainer"
         require_positive(s, context=self.context, batch_size=self.batch_size, lr=self.lr,
@@ -132,5 +142,10 @@ class TrainerConfig:
             raise PosbenchError(f"trainer.precision must be auto, fp32 or bf16, got {self.precision!r}")
         if str(self.compile).lower() not in ("auto", "true", "false"):
             raise PosbenchError(f"trainer.compile must be auto, true or false, got {self.compile!r}")
+        if self.state_passing not in STATE_PASSING:
+            raise PosbenchError(f"trainer.state_passing must be one of {', '.join(STATE_PASSING)}, "
+                                f"got {self.state_passing!r}")
+        if not self.state_noise >= 0:
+            raise PosbenchError(f"trainer.state_noise must be >= 0, got {self.state_noise}")
         if self.compile_mode not in COMPILE_MODES:
             raise PosbenchError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")

@@ -60,6 +60,7 @@ class Checkpoints:
 
     def checkpoint_state(self, step: int, elapsed: float) -> dict[str, Any]:
         spec = self.spec
+        carried = {"state_passing": self.state_passing.state_dict()} if self.state_passing.active else {}
         return {
             "step": step, "tokens": step * self.tokens_per_step, "elapsed_seconds": elapsed,
             "overhead_seconds": self.overhead_before + self.overhead,
@@ -68,7 +69,7 @@ class Checkpoints:
             "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
             "config": OmegaConf.to_container(self.cfg, resolve=True), "method": spec.method,
             "method_options": spec.method_options, "model_config": spec.model.to_dict(),
-            "data_dir": self.workload.data_dir, "data_identity": self.workload.identity(),
+            "data_dir": self.workload.data_dir, "data_identity": self.workload.identity(), **carried,
         }
 
     def stop(self, step: int, stop: StopRequest) -> None:

@@ -57,6 +57,7 @@ from posbench.train import loggers
 from posbench.train.final import FinalEvaluation
 from posbench.train.optim import TrainStep, compile_model, compiles, micro_batching, total_steps
 from posbench.train.progress import make_progress
+from posbench.train.state_passing import StatePassing
 from posbench.train.stopping import Checkpoints, TrainingInterrupted, same_dir
 from posbench.train.wandb_session import wandb_group
 from posbench.train.workload import Workload, make_workload
@@ -197,6 +198,8 @@ class Trainer(Checkpoints, FinalEvaluation):
                                                  spec.seed, self.dist_info.rank, self.device)  # randomized (or arange)
         self.batches = self.workload.train_batches(t, spec.seed, self.dist_info.rank, self.dist_info.world_size,
                                                    self.device)
+        self.state_passing = StatePassing(t.state_passing, self.raw_model, self.batches, self.micro, spec.seed,
+                                          t.state_noise, self.device, self.dist_info.world_size)
         self.tokens_per_step = t.batch_size * t.context
         self.total_steps = total_steps(t, self.tokens_per_step, self.batches.steps_per_epoch)
         self.amp_dtype = autocast_dtype(t.precision, self.device)
@@ -236,6 +239,7 @@ class Trainer(Checkpoints, FinalEvaluation):
                 self.optimizer.load_state_dict(state["optimizer"])
                 self.scheduler.load_state_dict(state["scheduler"])
                 set_rng_state(state["rng"])
+                self.state_passing.load_state_dict(state.get("state_passing"))  # the carried states
                 self.start_step, self.elapsed_before = state["step"], state.get("elapsed_seconds", 0.0)
                 self.overhead_before = state.get("overhead_seconds", 0.0)
                 self.loss_value = state.get("last_loss", float("nan"))
@@ -363,7 +367,10 @@ class Trainer(Checkpoints, FinalEvaluation):
 
         def micro_loss(i: int) -> torch.Tensor:
             xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]  # (b, T) each
-            loss = self.model(xs, self.train_positions(step, i, xs.shape[0]), targets=ys)
+            state = self.state_passing.start(step, i)  # None unless trainer.state_passing is on
+            carried = {} if state is None else {"state": state}
+            loss = self.model(xs, self.train_positions(step, i, xs.shape[0]), targets=ys, **carried)
+            self.state_passing.keep(i, state)
             return self.workload.micro_loss(loss, ys, y, accum)
 
         def no_sync(i: int) -> Any:  # DDP all-reduces on the last micro-batch only

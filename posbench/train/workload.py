@@ -106,7 +106,8 @@ class TextWorkload:
         # One pinned host buffer per step, copied without blocking (no per-token Python work).
         return TrainBatches(self.text.train_tokens(), t.context, t.batch_size, seed, rank=rank,
                             world_size=world_size, device=device, pin_memory=device.type == "cuda",
-                            insert=make_inserter(self.retrieval, t.context, self.text, seed))
+                            insert=make_inserter(self.retrieval, t.context, self.text, seed),
+                            streams=t.state_passing == "carry")
 
     def micro_loss(self, loss: torch.Tensor, part: torch.Tensor, whole: torch.Tensor, accum: int) -> torch.Tensor:
         return loss  # every target counts: equal micro-batches hold equal numbers of them

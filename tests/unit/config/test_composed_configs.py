@@ -9,7 +9,9 @@ come first in its composed config (they are composed before viz.yaml's own keys)
 ``decay.bases`` read as the floats they are validated into. Later additions, recorded with
 ``--write``: ``eval.figures`` (true) in train and eval; ``eval.extension_scope`` (all; null in eval, the
 run's own); ``kind`` (null) in train; in eval, the eval section composed from the settings (null,
-``eval_overrides``) in their field order, each probe's section after ``probes`` (the values unchanged).
+``eval_overrides``) in their field order, each probe's section after ``probes`` (the values unchanged);
+``model.mixer`` (attention), ``model.mixer_options`` (null), ``trainer.state_passing`` (off) and
+``trainer.state_noise`` (1.0).
 
     python tests/unit/config/test_composed_configs.py --write   # record the expectation again (after a deliberate change)
 """

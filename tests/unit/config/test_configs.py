@@ -166,7 +166,8 @@ def test_command_defaults_live_once(command):
 
 # The model every task run was composed with when each task had its own preset (task_<name>.yaml).
 TASK_MODEL = {"vocab_size": 8192, "d_model": 64, "n_layers": 2, "n_heads": 4, "mlp_hidden": None, "mlp_multiple_of": 64,
-              "tie_embeddings": False, "norm_eps": 1e-05, "init_std": 0.02, "attention": "auto", "attention_window": None}
+              "tie_embeddings": False, "norm_eps": 1e-05, "init_std": 0.02, "attention": "auto", "attention_window": None,
+              "mixer": "attention", "mixer_options": None}
 
 
 @pytest.mark.parametrize("task", config_names("task"))

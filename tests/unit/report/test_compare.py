@@ -456,6 +456,16 @@ def test_a_recurrent_group_is_never_named_as_its_method_alone(tmp_path: Path) ->
                               "nope[model.mixer=mamba2]"]
     mixed("p/nope-s0", 0, None)  # a plain run alone is just nope
     assert sorted(group_runs(discover_runs([tmp_path / "p"])[0])) == ["nope"]
+    for seed, passing in ((0, {"mode": "carry"}), (1, {"mode": "noise", "noise": 0.5})):
+        mixed(f"s/gdn-s{seed}", seed, "gated_deltanet")  # trained with state passing: never pooled as without
+        results = json.loads((tmp_path / f"s/gdn-s{seed}" / "results.json").read_text())
+        results["train"]["state_passing"] = passing
+        write_results(tmp_path / f"s/gdn-s{seed}", results)
+    mixed("s/plain-s0", 0, "gated_deltanet")
+    assert sorted(group_runs(discover_runs([tmp_path / "s"])[0])) == [
+        "nope[trainer.state_passing=carry,model.mixer=gated_deltanet]",
+        "nope[trainer.state_passing=noise(0.5),model.mixer=gated_deltanet]",
+        "nope[trainer.state_passing=none,model.mixer=gated_deltanet]"]
 
 
 def test_a_run_trained_with_retrieval_text_is_never_pooled_with_plain_runs(tmp_path: Path) -> None:
