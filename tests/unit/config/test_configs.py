@@ -11,7 +11,7 @@ from posbench.methods import list_methods, method_class, method_options
 from posbench.runs.spec import build_spec
 from posbench.tasks.base import task_class
 
-PRIMARY = ["train", "prepare", "eval", "plot", "bench", "viz"]
+PRIMARY = ["train", "prepare", "eval", "plot", "bench", "viz", "runs", "export"]
 TRAIN_GROUPS = ["method", "recipe", "model", "data", "trainer", "eval", "logger", "experiment", "task"]
 
 
