@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.6.1"
+__version__ = "0.7.0"
 
 
 def list_methods(layout: str | None = "sequence") -> list[str]:
