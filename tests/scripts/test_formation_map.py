@@ -45,7 +45,7 @@ def test_a_map_goes_on_where_it_stopped_and_reports(tmp_path):
     assert record["span"] == 2 and record["history"][-1]["step"] == 2 and record["formed"] is None
     assert formation_map.main(["report", "--grid", str(grid_file), "--out", str(out)]) == 0
     table = (out / "map.md").read_text()
-    assert "| half | rope | 0, 1 | -, - | 2 |" in table and "| fixed | nope | 3 |" in table
+    assert "| half | rope | 0, 1 | -, - | -, - | 2 |" in table and "| fixed | nope | 3 |" in table
     assert (out / "formation.png").stat().st_size > 0
 
 
@@ -57,6 +57,7 @@ def test_the_cell_gives_each_seed_and_a_median_only_when_all_formed():
 @pytest.mark.parametrize("args, fix", [
     (["run", "--grid", "missing.json", "--out", "x"], "cannot read a JSON grid"),
     (["run", "--grid", "GRID", "--out", "x", "--shard", "2/2"], "--shard takes i/n"),
+    (["report", "--grid", "GRID", "--out", "nothing_here"], "holds no runs.jsonl: run the map first"),
 ])
 def test_bad_input_is_one_line(args, fix, tmp_path, capsys):
     grid_file = tmp_path / "grid.json"
@@ -80,3 +81,9 @@ def test_the_committed_grid_is_valid():
     grid = formation_map.load_grid(SCRIPT.parents[1] / "docs" / "retrieval" / "formation" / "grid.json")
     for *_, argv in formation_map.jobs(grid):
         formation_map.induction_budget.parse(argv)
+
+
+def test_the_committed_map_is_the_report_of_the_committed_runs():
+    out = SCRIPT.parents[1] / "docs" / "retrieval" / "formation"
+    grid = formation_map.load_grid(out / "grid.json")
+    assert (out / "map.md").read_text() == formation_map.map_markdown(grid, formation_map.read_runs(out / "runs.jsonl"))
