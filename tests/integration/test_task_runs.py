@@ -91,7 +91,7 @@ def test_a_stopped_task_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert [e["sequence_accuracy"] for e in split["task"]["entries"]] == [e["sequence_accuracy"] for e in whole["task"]["entries"]]
     assert split["train"]["final_loss"] == whole["train"]["final_loss"]
     # a resumed run must keep its task: another p_ignore is refused
-    with pytest.raises(PosbenchError, match="data.task"):
+    with pytest.raises(PosbenchError, match="its task differs"):
         train(compose_config("train", [*quick, "task.p_ignore=0.5", "trainer.max_steps=6"]), tmp_path / "split",
               log=lambda _: None)
     from omegaconf import OmegaConf

@@ -47,7 +47,7 @@ def test_rate_zero_is_bitwise_todays_batches(prepared) -> None:
     from posbench.train.workload import TextWorkload
 
     assert make_inserter(RetrievalConfig(), CONTEXT, prepared, 0) is None
-    trainer = SimpleNamespace(context=CONTEXT, batch_size=8)
+    trainer = SimpleNamespace(context=CONTEXT, batch_size=8, state_passing="off")
     ours = TextWorkload(prepared, DataConfig(source="sample").validate().retrieval).train_batches(
         trainer, 3, 0, 1, torch.device("cpu"))
     plain = TrainBatches(prepared.train_tokens(), CONTEXT, 8, 3)

@@ -341,7 +341,7 @@ def test_speed_script_skips_and_lists_what_does_not_fit_its_budget(tmp_path):
 def test_speed_script_refuses_an_unknown_option_in_one_line(tmp_path):
     done, report = run_speed(tmp_path, "--options", "turbo")
     assert done.returncode == 2 and report is None
-    assert done.stderr.strip() == "error: unknown speed option 'turbo'; use base, fast, chunk=N, inline_masks joined by +"
+    assert done.stderr.strip() == "speed: error: unknown speed option 'turbo'; use base, fast, chunk=N, inline_masks joined by +"
 
 
 def test_compile_cache_points_inductor_and_triton_at_the_folder(tmp_path, monkeypatch):
